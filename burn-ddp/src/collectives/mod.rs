@@ -1,0 +1,169 @@
+//! Collective operations over flat buffers: element types, reduction operators, operation
+//! descriptions and the [`Work`] handle of an operation started now and waited for later.
+//!
+//! The operations themselves are methods of [`crate::ProcessGroup`]; each transport (TCP here,
+//! NCCL in `burn-ddp-nccl`) lives in a module of its own.
+
+pub(crate) mod reduce;
+pub(crate) mod tcp;
+mod work;
+
+use half::{bf16, f16};
+
+pub use work::Work;
+
+/// Element types a collective can carry, with their wire code.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(u8)]
+pub enum DType {
+    /// Raw bytes.
+    U8 = 1,
+    /// IEEE half precision.
+    F16 = 2,
+    /// bfloat16.
+    BF16 = 3,
+    /// IEEE single precision.
+    F32 = 4,
+    /// IEEE double precision.
+    F64 = 5,
+}
+
+impl DType {
+    /// Bytes per element.
+    pub fn size(self) -> usize {
+        match self {
+            DType::U8 => 1,
+            DType::F16 | DType::BF16 => 2,
+            DType::F32 => 4,
+            DType::F64 => 8,
+        }
+    }
+
+    /// Short name, as in `f32`.
+    pub fn name(self) -> &'static str {
+        match self {
+            DType::U8 => "u8",
+            DType::F16 => "f16",
+            DType::BF16 => "bf16",
+            DType::F32 => "f32",
+            DType::F64 => "f64",
+        }
+    }
+
+    pub(crate) fn from_code(code: u8) -> Option<Self> {
+        [DType::U8, DType::F16, DType::BF16, DType::F32, DType::F64]
+            .into_iter()
+            .find(|d| *d as u8 == code)
+    }
+}
+
+/// A plain element type that collectives can move (`broadcast`).
+pub trait DataType: bytemuck::Pod + Send + Sync + 'static {
+    /// Its wire code.
+    const DTYPE: DType;
+}
+
+/// An element type that can be reduced (`all_reduce`).
+pub trait Reduce: DataType {
+    /// `acc[i] = acc[i] (op) other[i]`. Sum and average both add here.
+    fn combine(acc: &mut [Self], other: &[Self], op: ReduceOp);
+    /// `data[i] /= divisor` (the last step of an average).
+    fn divide(data: &mut [Self], divisor: usize);
+}
+
+impl DataType for u8 {
+    const DTYPE: DType = DType::U8;
+}
+impl DataType for f16 {
+    const DTYPE: DType = DType::F16;
+}
+impl DataType for bf16 {
+    const DTYPE: DType = DType::BF16;
+}
+impl DataType for f32 {
+    const DTYPE: DType = DType::F32;
+}
+impl DataType for f64 {
+    const DTYPE: DType = DType::F64;
+}
+
+/// How `all_reduce` combines the ranks' buffers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ReduceOp {
+    /// Element-wise sum.
+    Sum,
+    /// Element-wise sum divided by the world size (PyTorch's `ReduceOp.AVG`).
+    Avg,
+    /// Element-wise maximum; NaN wins, so a NaN on any rank shows on all.
+    Max,
+    /// Element-wise minimum; NaN wins.
+    Min,
+}
+
+/// The kinds of collective, as named in errors and on the wire.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(u8)]
+pub enum OpKind {
+    /// `all_reduce`.
+    AllReduce = 1,
+    /// `broadcast`.
+    Broadcast = 2,
+    /// The size exchange that starts an `all_gather`.
+    AllGatherSizes = 3,
+    /// `all_gather`.
+    AllGather = 4,
+    /// `barrier`.
+    Barrier = 5,
+}
+
+impl OpKind {
+    /// The name used in messages.
+    pub fn name(self) -> &'static str {
+        match self {
+            OpKind::AllReduce => "all_reduce",
+            OpKind::Broadcast => "broadcast",
+            OpKind::AllGatherSizes => "all_gather (sizes)",
+            OpKind::AllGather => "all_gather",
+            OpKind::Barrier => "barrier",
+        }
+    }
+
+    pub(crate) fn from_code(code: u8) -> Option<Self> {
+        [
+            OpKind::AllReduce,
+            OpKind::Broadcast,
+            OpKind::AllGatherSizes,
+            OpKind::AllGather,
+            OpKind::Barrier,
+        ]
+        .into_iter()
+        .find(|k| *k as u8 == code)
+    }
+}
+
+/// One collective call: which one, its sequence number in the group, element type and size.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct OpDesc {
+    /// What it is.
+    pub kind: OpKind,
+    /// Position among the group's collectives (0-based), the same on every rank.
+    pub seq: u64,
+    /// Element type.
+    pub dtype: DType,
+    /// Buffer length in bytes (for `all_gather`: the total of all ranks).
+    pub bytes: u64,
+}
+
+impl std::fmt::Display for OpDesc {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let elems = self.bytes / self.dtype.size() as u64;
+        write!(
+            f,
+            "{} #{} of {} x {}",
+            self.kind.name(),
+            self.seq,
+            elems,
+            self.dtype.name()
+        )
+    }
+}

@@ -1,0 +1,161 @@
+//! Connects every pair of ranks once: each rank listens on an ephemeral port of the interface
+//! that reaches rank 0, publishes it through the store, connects to lower ranks and accepts
+//! higher ones. Each connection starts with a hello naming the rank and world size.
+
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::time::{Duration, Instant};
+
+use crate::error::{DdpError, Result};
+use crate::store::Store;
+use crate::wire::{Reader, Writer};
+
+const HELLO_MAGIC: &[u8; 8] = b"BDDPMESH";
+const HELLO_LEN: usize = 16;
+
+fn hello(rank: usize, world: usize) -> Vec<u8> {
+    let mut w = Writer::default();
+    w.buf.extend_from_slice(HELLO_MAGIC);
+    w.u32(rank as u32).u32(world as u32);
+    w.buf
+}
+
+fn parse_hello(b: &[u8]) -> std::result::Result<(usize, usize), String> {
+    if &b[..8] != HELLO_MAGIC {
+        return Err("not a burn-ddp peer (bad hello)".into());
+    }
+    let mut r = Reader::new(&b[8..]);
+    Ok((r.u32()? as usize, r.u32()? as usize))
+}
+
+fn addr_key(rank: usize) -> String {
+    format!("bddp/mesh/addr/{rank}")
+}
+
+/// Returns one connected stream per peer (`None` at `rank`), ready for the data plane.
+pub(crate) fn connect(
+    rank: usize,
+    world: usize,
+    store: &Store,
+    deadline: Instant,
+) -> Result<Vec<Option<TcpStream>>> {
+    let fail = |reason: String| DdpError::Rendezvous { rank, reason };
+    let ip = store.local_addr().ip();
+    let listener = TcpListener::bind((ip, 0)).map_err(|source| DdpError::Bind {
+        addr: format!("{ip}:0"),
+        what: "data plane",
+        hint: String::new(),
+        source,
+    })?;
+    let own = listener
+        .local_addr()
+        .map_err(|e| DdpError::io("reading the data-plane address", e))?;
+    store.set(&addr_key(rank), own.to_string().as_bytes())?;
+
+    let keys: Vec<String> = (0..world).map(addr_key).collect();
+    let remaining = deadline.saturating_duration_since(Instant::now());
+    store.wait(&keys, remaining).map_err(|e| match e {
+        DdpError::StoreTimeout { .. } => {
+            let missing: Vec<usize> = (0..world)
+                .filter(|r| store.try_get(&addr_key(*r)).ok().flatten().is_none())
+                .collect();
+            fail(format!(
+                "ranks {missing:?} did not join within {remaining:?}; did they start, with the \
+                 same MASTER_ADDR, MASTER_PORT and WORLD_SIZE={world}?"
+            ))
+        }
+        other => other,
+    })?;
+
+    let mut peers: Vec<Option<TcpStream>> = (0..world).map(|_| None).collect();
+    for (peer, slot) in peers.iter_mut().enumerate().take(rank) {
+        let raw = store.get(&addr_key(peer))?;
+        let addr: SocketAddr = String::from_utf8_lossy(&raw)
+            .parse()
+            .map_err(|_| fail(format!("rank {peer} published a bad address {raw:?}")))?;
+        let left = deadline.saturating_duration_since(Instant::now()).max(Duration::from_millis(1));
+        let mut stream = TcpStream::connect_timeout(&addr, left)
+            .map_err(|e| fail(format!("cannot connect to rank {peer} at {addr}: {e}")))?;
+        stream
+            .set_read_timeout(Some(left))
+            .and_then(|_| stream.write_all(&hello(rank, world)))
+            .map_err(|e| fail(format!("cannot greet rank {peer} at {addr}: {e}")))?;
+        let mut ack = [0u8; HELLO_LEN];
+        stream
+            .read_exact(&mut ack)
+            .map_err(|e| fail(format!("rank {peer} at {addr} did not answer: {e}")))?;
+        match parse_hello(&ack) {
+            Ok((r, w)) if r == peer && w == world => {}
+            Ok((r, w)) => {
+                return Err(fail(format!(
+                    "{addr} answered as rank {r} of {w}, expected rank {peer} of {world}"
+                )));
+            }
+            Err(e) => return Err(fail(format!("{addr} (rank {peer}): {e}"))),
+        }
+        *slot = Some(stream);
+    }
+
+    listener
+        .set_nonblocking(true)
+        .map_err(|e| DdpError::io("configuring the data-plane listener", e))?;
+    let mut expected = world - 1 - rank;
+    while expected > 0 {
+        let (mut stream, from) = match listener.accept() {
+            Ok(s) => s,
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                if Instant::now() >= deadline {
+                    let missing: Vec<usize> =
+                        (rank + 1..world).filter(|r| peers[*r].is_none()).collect();
+                    return Err(fail(format!(
+                        "ranks {missing:?} published an address but never connected"
+                    )));
+                }
+                std::thread::sleep(Duration::from_millis(1));
+                continue;
+            }
+            Err(e) => return Err(DdpError::io("accepting a peer", e)),
+        };
+        let left = deadline.saturating_duration_since(Instant::now()).max(Duration::from_millis(1));
+        let mut buf = [0u8; HELLO_LEN];
+        let greeting = stream
+            .set_nonblocking(false)
+            .and_then(|_| stream.set_read_timeout(Some(left.min(Duration::from_secs(10)))))
+            .and_then(|_| stream.read_exact(&mut buf))
+            .map_err(|e| e.to_string())
+            .and_then(|_| parse_hello(&buf));
+        let peer = match greeting {
+            Err(e) => {
+                log::warn!("rank {rank}: ignoring a connection from {from}: {e}");
+                continue;
+            }
+            Ok((_, w)) if w != world => {
+                return Err(fail(format!(
+                    "a peer at {from} believes WORLD_SIZE={w}, this rank has {world}"
+                )));
+            }
+            Ok((r, _)) if r <= rank || r >= world => {
+                return Err(fail(format!("unexpected connection from rank {r} at {from}")));
+            }
+            Ok((r, _)) if peers[r].is_some() => {
+                return Err(fail(format!(
+                    "rank {r} joined twice (second time from {from}): two processes have RANK={r}"
+                )));
+            }
+            Ok((r, _)) => r,
+        };
+        stream
+            .write_all(&hello(rank, world))
+            .map_err(|e| fail(format!("cannot answer rank {peer}: {e}")))?;
+        peers[peer] = Some(stream);
+        expected -= 1;
+    }
+
+    for stream in peers.iter().flatten() {
+        stream
+            .set_nodelay(true)
+            .and_then(|_| stream.set_read_timeout(None))
+            .map_err(|e| DdpError::io("configuring a data-plane socket", e))?;
+    }
+    Ok(peers)
+}

@@ -1,0 +1,218 @@
+//! Reads who-am-I from the launcher's environment: torchrun, Slurm or Open MPI variables.
+//!
+//! Precedence: torchrun names (`RANK`, `WORLD_SIZE`, ...) when either `RANK` or `WORLD_SIZE` is
+//! set, else Slurm (`SLURM_PROCID`, `SLURM_NTASKS`, ...), else Open MPI
+//! (`OMPI_COMM_WORLD_RANK`, ...), else a world of size 1. `MASTER_ADDR` and `MASTER_PORT` are
+//! read in every case; `MASTER_PORT` defaults to 29500 as in PyTorch.
+
+use std::time::Duration;
+
+use crate::error::{DdpError, Result};
+
+/// Default rendezvous port, the same as PyTorch's.
+pub const DEFAULT_MASTER_PORT: u16 = 29500;
+
+/// Which launcher's variables described this process.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum EnvSource {
+    /// `RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `LOCAL_WORLD_SIZE` (torchrun, `cargo xtask multi-cpu`).
+    Torchrun,
+    /// `SLURM_PROCID`, `SLURM_NTASKS`, `SLURM_LOCALID`, `SLURM_NTASKS_PER_NODE`.
+    Slurm,
+    /// `OMPI_COMM_WORLD_RANK`, `OMPI_COMM_WORLD_SIZE`, `OMPI_COMM_WORLD_LOCAL_RANK`, `..._LOCAL_SIZE`.
+    OpenMpi,
+    /// None of the above: a single process.
+    Single,
+}
+
+/// The launch description of one process, as read from its environment.
+#[derive(Debug, Clone, PartialEq)]
+pub struct LaunchEnv {
+    /// Global rank, `0..world_size`.
+    pub rank: usize,
+    /// Number of processes in the job.
+    pub world_size: usize,
+    /// Rank among the processes of this node (selects the GPU).
+    pub local_rank: usize,
+    /// Number of processes on this node.
+    pub local_world_size: usize,
+    /// Host of rank 0's store; `None` for a world of size 1 without `MASTER_ADDR`.
+    pub master_addr: Option<String>,
+    /// Port of rank 0's store.
+    pub master_port: u16,
+    /// Collective timeout from `BURN_DDP_TIMEOUT` (seconds), if set.
+    pub timeout: Option<Duration>,
+    /// Rendezvous timeout from `BURN_DDP_RENDEZVOUS_TIMEOUT` (seconds), if set.
+    pub rendezvous_timeout: Option<Duration>,
+    /// Which variables were used.
+    pub source: EnvSource,
+}
+
+/// Names of the four identity variables of one launcher family.
+struct Names {
+    rank: &'static str,
+    world: &'static str,
+    local_rank: &'static str,
+    local_world: &'static str,
+    source: EnvSource,
+}
+
+const FAMILIES: [Names; 3] = [
+    Names {
+        rank: "RANK",
+        world: "WORLD_SIZE",
+        local_rank: "LOCAL_RANK",
+        local_world: "LOCAL_WORLD_SIZE",
+        source: EnvSource::Torchrun,
+    },
+    Names {
+        rank: "SLURM_PROCID",
+        world: "SLURM_NTASKS",
+        local_rank: "SLURM_LOCALID",
+        local_world: "SLURM_NTASKS_PER_NODE",
+        source: EnvSource::Slurm,
+    },
+    Names {
+        rank: "OMPI_COMM_WORLD_RANK",
+        world: "OMPI_COMM_WORLD_SIZE",
+        local_rank: "OMPI_COMM_WORLD_LOCAL_RANK",
+        local_world: "OMPI_COMM_WORLD_LOCAL_SIZE",
+        source: EnvSource::OpenMpi,
+    },
+];
+
+impl LaunchEnv {
+    /// Reads the process environment.
+    pub fn from_env() -> Result<Self> {
+        Self::from_lookup(|name| {
+            std::env::var_os(name).map(|v| v.to_string_lossy().into_owned())
+        })
+    }
+
+    /// Reads variables through `get` (a map in tests, the process environment in
+    /// [`LaunchEnv::from_env`]).
+    ///
+    /// ```
+    /// use burn_ddp::env::LaunchEnv;
+    /// let vars = [("RANK", "1"), ("WORLD_SIZE", "2"), ("MASTER_ADDR", "10.0.0.1")];
+    /// let env = LaunchEnv::from_lookup(|k| {
+    ///     vars.iter().find(|(n, _)| *n == k).map(|(_, v)| v.to_string())
+    /// })
+    /// .unwrap();
+    /// assert_eq!((env.rank, env.world_size, env.master_port), (1, 2, 29500));
+    /// ```
+    pub fn from_lookup(get: impl Fn(&str) -> Option<String>) -> Result<Self> {
+        let get = |name: &str| get(name).filter(|v| !v.trim().is_empty());
+        let family = FAMILIES
+            .iter()
+            .find(|f| get(f.rank).is_some() || get(f.world).is_some());
+
+        let (rank, world_size, local_rank, local_world_size, source) = match family {
+            None => (0, 1, 0, 1, EnvSource::Single),
+            Some(f) => {
+                let world_size = parse_required(&get, f.world, f.rank)?;
+                if world_size == 0 {
+                    return Err(invalid(f.world, "0", "a world size of at least 1"));
+                }
+                let rank = parse_required(&get, f.rank, f.world)?;
+                if rank >= world_size {
+                    return Err(invalid(
+                        f.rank,
+                        &rank.to_string(),
+                        &format!("a rank below {}={world_size}", f.world),
+                    ));
+                }
+                let local_world = match get(f.local_world) {
+                    // Slurm writes e.g. "2(x3)" for heterogeneous layouts: only a plain number
+                    // is usable, anything else means "unknown".
+                    Some(v) if f.source == EnvSource::Slurm && v.parse::<usize>().is_err() => None,
+                    Some(v) => Some(parse_usize(f.local_world, &v)?),
+                    None => None,
+                };
+                let local_rank = match get(f.local_rank) {
+                    Some(v) => parse_usize(f.local_rank, &v)?,
+                    None => local_world.map_or(rank, |lw| rank % lw.max(1)),
+                };
+                let local_world = local_world.unwrap_or(world_size);
+                if local_world == 0 || local_rank >= local_world {
+                    return Err(invalid(
+                        f.local_rank,
+                        &local_rank.to_string(),
+                        &format!("a local rank below {}={local_world}", f.local_world),
+                    ));
+                }
+                (rank, world_size, local_rank, local_world, f.source)
+            }
+        };
+
+        let master_addr = get("MASTER_ADDR").map(|a| a.trim().to_string());
+        if world_size > 1 && master_addr.is_none() {
+            return Err(DdpError::MissingEnv {
+                var: "MASTER_ADDR",
+                why: format!(
+                    "the world size is {world_size}, so every rank needs the host of rank 0's \
+                     store (for example MASTER_ADDR=127.0.0.1 on one machine)"
+                ),
+            });
+        }
+        let master_port = match get("MASTER_PORT") {
+            None => DEFAULT_MASTER_PORT,
+            Some(v) => match v.trim().parse::<u16>() {
+                Ok(p) if p > 0 => p,
+                _ => return Err(invalid("MASTER_PORT", &v, "a TCP port number in 1..=65535")),
+            },
+        };
+        Ok(LaunchEnv {
+            rank,
+            world_size,
+            local_rank,
+            local_world_size,
+            master_addr,
+            master_port,
+            timeout: parse_seconds(&get, "BURN_DDP_TIMEOUT")?,
+            rendezvous_timeout: parse_seconds(&get, "BURN_DDP_RENDEZVOUS_TIMEOUT")?,
+            source,
+        })
+    }
+}
+
+fn invalid(var: &'static str, value: &str, expected: &str) -> DdpError {
+    DdpError::InvalidEnv {
+        var,
+        value: value.to_string(),
+        expected: expected.to_string(),
+    }
+}
+
+fn parse_usize(var: &'static str, value: &str) -> Result<usize> {
+    value
+        .trim()
+        .parse::<usize>()
+        .map_err(|_| invalid(var, value, "a non-negative integer"))
+}
+
+fn parse_required(
+    get: &impl Fn(&str) -> Option<String>,
+    var: &'static str,
+    partner: &'static str,
+) -> Result<usize> {
+    match get(var) {
+        Some(v) => parse_usize(var, &v),
+        None => Err(DdpError::MissingEnv {
+            var,
+            why: format!("{partner} is set, and the two go together"),
+        }),
+    }
+}
+
+fn parse_seconds(
+    get: &impl Fn(&str) -> Option<String>,
+    var: &'static str,
+) -> Result<Option<Duration>> {
+    get(var)
+        .map(|v| match v.trim().parse::<f64>() {
+            Ok(s) if s.is_finite() && s > 0.0 && s < 1e9 => Ok(Duration::from_secs_f64(s)),
+            _ => Err(invalid(var, &v, "a positive number of seconds")),
+        })
+        .transpose()
+}

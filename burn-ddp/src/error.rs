@@ -1,0 +1,138 @@
+//! The error type of burn-ddp: every failure a user, an environment or a peer can cause.
+
+use std::io;
+use std::time::Duration;
+
+/// Result alias used throughout burn-ddp.
+pub type Result<T, E = DdpError> = std::result::Result<T, E>;
+
+/// Everything that can go wrong while forming a process group or running a collective.
+///
+/// Messages name the rank that saw the failure, the rank that caused it where known, and the
+/// operation, so that a log line from any rank says what happened to the whole job.
+#[derive(Debug, thiserror::Error)]
+pub enum DdpError {
+    /// An environment variable is set but its value cannot be used.
+    #[error("environment variable {var}={value:?} is invalid: {expected}")]
+    InvalidEnv {
+        /// Name of the variable.
+        var: &'static str,
+        /// The value found.
+        value: String,
+        /// What was expected instead.
+        expected: String,
+    },
+    /// A required environment variable is missing.
+    #[error("environment variable {var} is not set: {why}")]
+    MissingEnv {
+        /// Name of the variable.
+        var: &'static str,
+        /// Why it is required.
+        why: String,
+    },
+    /// Options given to a builder or a launcher are inconsistent.
+    #[error("invalid configuration: {0}")]
+    InvalidConfig(String),
+    /// A listening socket could not be opened (for example the port is in use).
+    #[error("cannot listen on {addr} for the {what}: {source}{hint}")]
+    Bind {
+        /// The address asked for.
+        addr: String,
+        /// What the socket was for.
+        what: &'static str,
+        /// Extra advice (for example which variable chose the port).
+        hint: String,
+        /// The operating system's error.
+        #[source]
+        source: io::Error,
+    },
+    /// The rendezvous (store connection, address exchange, mesh connection) failed.
+    #[error("rank {rank}: rendezvous failed: {reason}")]
+    Rendezvous {
+        /// Rank that failed.
+        rank: usize,
+        /// What went wrong.
+        reason: String,
+    },
+    /// A request to the key-value store failed.
+    #[error("store at {addr}: {reason}")]
+    Store {
+        /// Address of the store.
+        addr: String,
+        /// What went wrong.
+        reason: String,
+    },
+    /// Waiting for store keys did not finish in time.
+    #[error("store at {addr}: timed out after {timeout:?} waiting for {what}")]
+    StoreTimeout {
+        /// Address of the store.
+        addr: String,
+        /// How long was waited.
+        timeout: Duration,
+        /// What was waited for.
+        what: String,
+    },
+    /// A collective failed: a peer died, left, timed out or sent something unexpected.
+    #[error("rank {rank}: {op} failed: {cause}")]
+    Collective {
+        /// Rank reporting the failure.
+        rank: usize,
+        /// The operation, for example `all_reduce #12 of 4096 x f32`.
+        op: String,
+        /// The root cause as agreed through the store (names the failing rank).
+        cause: String,
+    },
+    /// The group failed earlier; it cannot be used any more.
+    #[error("rank {rank}: {op} refused: the process group failed earlier: {cause}")]
+    Aborted {
+        /// Rank reporting.
+        rank: usize,
+        /// The refused operation.
+        op: String,
+        /// The first failure of this group.
+        cause: String,
+    },
+    /// A collective was called with arguments that cannot work.
+    #[error("rank {rank}: invalid {op}: {reason}")]
+    InvalidArgument {
+        /// Rank reporting.
+        rank: usize,
+        /// The operation.
+        op: String,
+        /// What is wrong.
+        reason: String,
+    },
+    /// The background thread that runs collectives is gone (it panicked).
+    #[error("rank {rank}: the collective worker thread stopped unexpectedly")]
+    WorkerGone {
+        /// Rank reporting.
+        rank: usize,
+    },
+    /// A rank process started by the launcher failed.
+    #[error("rank {rank} failed first: {status}")]
+    RankFailed {
+        /// The first rank that failed.
+        rank: usize,
+        /// Its exit status in words.
+        status: String,
+    },
+    /// Any other I/O failure, with what was being done.
+    #[error("{context}: {source}")]
+    Io {
+        /// What was being done.
+        context: String,
+        /// The operating system's error.
+        #[source]
+        source: io::Error,
+    },
+}
+
+impl DdpError {
+    /// Wraps an I/O error with what was being done.
+    pub(crate) fn io(context: impl Into<String>, source: io::Error) -> Self {
+        DdpError::Io {
+            context: context.into(),
+            source,
+        }
+    }
+}

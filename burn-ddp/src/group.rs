@@ -1,0 +1,383 @@
+//! The process group: who this process is, who its peers are, and the collectives between them.
+//!
+//! Forming a group is the rendezvous: rank 0 serves the store at `MASTER_ADDR:MASTER_PORT`,
+//! every rank connects to it (retrying until the rendezvous timeout, so rank 0 may start last),
+//! the ranks exchange data-plane addresses through it and connect to each other. Collectives
+//! then run on a background thread, one at a time, in the order they were issued; each call
+//! returns a [`Work`] to wait on.
+
+use std::net::ToSocketAddrs;
+use std::sync::mpsc::{self, Sender};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use crate::collectives::tcp::{TcpConfig, TcpTransport, mesh};
+use crate::collectives::{DataType, Reduce, ReduceOp, Work};
+use crate::env::{DEFAULT_MASTER_PORT, LaunchEnv};
+use crate::error::{DdpError, Result};
+use crate::store::{Store, StoreServer};
+
+/// Options of a process group. The defaults suit training; tests shorten the timeouts.
+#[derive(Debug, Clone)]
+pub struct GroupOptions {
+    /// Longest a collective may go without progress before it fails (default 5 minutes).
+    pub timeout: Duration,
+    /// Longest forming the group may take (default 5 minutes).
+    pub rendezvous_timeout: Duration,
+    /// Pipelining chunk of the TCP transport in bytes (default 512 KiB).
+    pub chunk_bytes: usize,
+    /// Largest total an `all_gather` may produce (default 1 GiB).
+    pub max_gather_bytes: usize,
+}
+
+impl Default for GroupOptions {
+    fn default() -> Self {
+        GroupOptions {
+            timeout: Duration::from_secs(300),
+            rendezvous_timeout: Duration::from_secs(300),
+            chunk_bytes: 512 << 10,
+            max_gather_bytes: 1 << 30,
+        }
+    }
+}
+
+/// Builds a [`ProcessGroup`] from explicit settings (for tests and self-configuring programs).
+///
+/// ```no_run
+/// use burn_ddp::ProcessGroup;
+/// use std::time::Duration;
+/// let group = ProcessGroup::builder(1, 2)
+///     .master_addr("127.0.0.1")
+///     .master_port(29500)
+///     .timeout(Duration::from_secs(30))
+///     .build()
+///     .unwrap();
+/// ```
+#[derive(Debug, Clone)]
+pub struct ProcessGroupBuilder {
+    rank: usize,
+    world_size: usize,
+    local_rank: Option<usize>,
+    local_world_size: Option<usize>,
+    master_addr: Option<String>,
+    master_port: u16,
+    host_store: Option<bool>,
+    options: GroupOptions,
+}
+
+impl ProcessGroupBuilder {
+    /// Rank among the node's processes (default: the rank).
+    pub fn local_rank(mut self, local_rank: usize) -> Self {
+        self.local_rank = Some(local_rank);
+        self
+    }
+    /// Number of processes on this node (default: the world size).
+    pub fn local_world_size(mut self, n: usize) -> Self {
+        self.local_world_size = Some(n);
+        self
+    }
+    /// Host of the store (required when the world size is above 1).
+    pub fn master_addr(mut self, addr: impl Into<String>) -> Self {
+        self.master_addr = Some(addr.into());
+        self
+    }
+    /// Port of the store (default 29500).
+    pub fn master_port(mut self, port: u16) -> Self {
+        self.master_port = port;
+        self
+    }
+    /// Whether this process serves the store. Default: rank 0 does. Set `false` on every rank
+    /// when the launcher serves it (as torchrun's agent store does).
+    pub fn host_store(mut self, host: bool) -> Self {
+        self.host_store = Some(host);
+        self
+    }
+    /// Collective timeout (time without progress).
+    pub fn timeout(mut self, t: Duration) -> Self {
+        self.options.timeout = t;
+        self
+    }
+    /// Rendezvous timeout.
+    pub fn rendezvous_timeout(mut self, t: Duration) -> Self {
+        self.options.rendezvous_timeout = t;
+        self
+    }
+    /// All options at once.
+    pub fn options(mut self, options: GroupOptions) -> Self {
+        self.options = options;
+        self
+    }
+
+    /// Forms the group: blocks until every rank has joined or the rendezvous timeout passes.
+    pub fn build(self) -> Result<ProcessGroup> {
+        let ProcessGroupBuilder {
+            rank,
+            world_size,
+            master_port,
+            options,
+            ..
+        } = self;
+        if world_size == 0 || rank >= world_size {
+            return Err(DdpError::InvalidConfig(format!(
+                "rank {rank} is not in a world of size {world_size}"
+            )));
+        }
+        let local_world_size = self.local_world_size.unwrap_or(world_size);
+        let local_rank = self.local_rank.unwrap_or(rank % local_world_size.max(1));
+        if local_rank >= local_world_size {
+            return Err(DdpError::InvalidConfig(format!(
+                "local rank {local_rank} is not below the local world size {local_world_size}"
+            )));
+        }
+        if options.chunk_bytes < 8 || options.timeout.is_zero() {
+            return Err(DdpError::InvalidConfig(
+                "chunk_bytes must be at least 8 and the timeout positive".into(),
+            ));
+        }
+        let host_store = self.host_store.unwrap_or(rank == 0);
+        let deadline = Instant::now() + options.rendezvous_timeout;
+
+        // A world of one needs no master: it serves itself on an ephemeral loopback port.
+        let (server, store_addr) = match (&self.master_addr, world_size) {
+            (None, 1) => {
+                let server = StoreServer::bind("127.0.0.1:0")?;
+                let addr = server.local_addr().to_string();
+                (Some(server), addr)
+            }
+            (None, _) => {
+                return Err(DdpError::InvalidConfig(format!(
+                    "a world of size {world_size} needs master_addr (MASTER_ADDR)"
+                )));
+            }
+            (Some(host), _) => {
+                let addr = host_port(host, master_port);
+                let server = if host_store {
+                    let resolved = addr.to_socket_addrs().map_err(|e| DdpError::InvalidEnv {
+                        var: "MASTER_ADDR",
+                        value: host.clone(),
+                        expected: format!("a host name or address that resolves ({e})"),
+                    })?;
+                    let candidates: Vec<_> = resolved.collect();
+                    Some(StoreServer::bind(&candidates[..]).map_err(|e| match e {
+                        DdpError::Bind {
+                            addr,
+                            what,
+                            source,
+                            hint,
+                        } => DdpError::Bind {
+                            addr,
+                            what,
+                            source,
+                            hint: format!("{hint} (set by MASTER_ADDR/MASTER_PORT)"),
+                        },
+                        other => other,
+                    })?)
+                } else {
+                    None
+                };
+                (server, addr)
+            }
+        };
+
+        let store = Arc::new(Store::connect(&store_addr, options.rendezvous_timeout)?);
+        let streams = if world_size > 1 {
+            mesh::connect(rank, world_size, &store, deadline)?
+        } else {
+            vec![None]
+        };
+        let transport = TcpTransport::new(
+            rank,
+            world_size,
+            streams,
+            store.clone(),
+            TcpConfig {
+                timeout: options.timeout,
+                chunk_bytes: options.chunk_bytes,
+                max_gather_bytes: options.max_gather_bytes,
+            },
+        )?;
+        let (jobs, rx) = mpsc::channel::<Job>();
+        let worker = std::thread::Builder::new()
+            .name(format!("burn-ddp-rank{rank}"))
+            .spawn(move || {
+                let mut transport = transport;
+                for job in rx {
+                    job(&mut transport);
+                }
+                transport.leave();
+            })
+            .map_err(|e| DdpError::io("starting the collective thread", e))?;
+        log::info!("rank {rank}: joined a group of {world_size} through the store at {store_addr}");
+        Ok(ProcessGroup {
+            rank,
+            world_size,
+            local_rank,
+            local_world_size,
+            store,
+            options,
+            jobs: Some(jobs),
+            worker: Some(worker),
+            _server: server,
+        })
+    }
+}
+
+fn host_port(host: &str, port: u16) -> String {
+    if host.contains(':') && !host.starts_with('[') {
+        format!("[{host}]:{port}")
+    } else {
+        format!("{host}:{port}")
+    }
+}
+
+type Job = Box<dyn FnOnce(&mut TcpTransport) + Send>;
+
+/// A connected group of ranks, as PyTorch's default process group.
+///
+/// ```no_run
+/// // Run under `burn-ddp-run --nproc 2 ...`, torchrun, srun or mpirun:
+/// let group = burn_ddp::init_process_group().unwrap();
+/// let summed = group
+///     .all_reduce(vec![group.rank() as f32; 4], burn_ddp::ReduceOp::Sum)
+///     .wait()
+///     .unwrap();
+/// println!("rank {} of {}: {summed:?}", group.rank(), group.world_size());
+/// ```
+pub struct ProcessGroup {
+    rank: usize,
+    world_size: usize,
+    local_rank: usize,
+    local_world_size: usize,
+    store: Arc<Store>,
+    options: GroupOptions,
+    jobs: Option<Sender<Job>>,
+    worker: Option<JoinHandle<()>>,
+    _server: Option<StoreServer>,
+}
+
+impl std::fmt::Debug for ProcessGroup {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ProcessGroup")
+            .field("rank", &self.rank)
+            .field("world_size", &self.world_size)
+            .field("local_rank", &self.local_rank)
+            .finish()
+    }
+}
+
+/// Forms the process group described by the environment (see [`LaunchEnv`]); a world of one
+/// when no launcher variables are set.
+pub fn init_process_group() -> Result<ProcessGroup> {
+    ProcessGroup::from_env()
+}
+
+impl ProcessGroup {
+    /// A builder for rank `rank` of `world_size`.
+    pub fn builder(rank: usize, world_size: usize) -> ProcessGroupBuilder {
+        ProcessGroupBuilder {
+            rank,
+            world_size,
+            local_rank: None,
+            local_world_size: None,
+            master_addr: None,
+            master_port: DEFAULT_MASTER_PORT,
+            host_store: None,
+            options: GroupOptions::default(),
+        }
+    }
+
+    /// Forms the group described by the process environment.
+    pub fn from_env() -> Result<Self> {
+        Self::from_launch_env(&LaunchEnv::from_env()?)
+    }
+
+    /// Forms the group described by `env`.
+    pub fn from_launch_env(env: &LaunchEnv) -> Result<Self> {
+        let mut b = Self::builder(env.rank, env.world_size)
+            .local_rank(env.local_rank)
+            .local_world_size(env.local_world_size)
+            .master_port(env.master_port);
+        if let Some(addr) = &env.master_addr {
+            b = b.master_addr(addr.clone());
+        }
+        if let Some(t) = env.timeout {
+            b = b.timeout(t);
+        }
+        if let Some(t) = env.rendezvous_timeout {
+            b = b.rendezvous_timeout(t);
+        }
+        b.build()
+    }
+
+    /// This process's rank.
+    pub fn rank(&self) -> usize {
+        self.rank
+    }
+    /// Number of ranks.
+    pub fn world_size(&self) -> usize {
+        self.world_size
+    }
+    /// Rank on this node (selects the GPU).
+    pub fn local_rank(&self) -> usize {
+        self.local_rank
+    }
+    /// Ranks on this node.
+    pub fn local_world_size(&self) -> usize {
+        self.local_world_size
+    }
+    /// The rendezvous store (shared by all ranks).
+    pub fn store(&self) -> &Arc<Store> {
+        &self.store
+    }
+    /// The options the group was formed with.
+    pub fn options(&self) -> &GroupOptions {
+        &self.options
+    }
+
+    fn submit<T: Send + 'static>(
+        &self,
+        job: impl FnOnce(&mut TcpTransport) -> Result<T> + Send + 'static,
+    ) -> Work<T> {
+        let (tx, rx) = mpsc::sync_channel(1);
+        let boxed: Job = Box::new(move |t| {
+            let _ = tx.send(job(t));
+        });
+        match self.jobs.as_ref().map(|j| j.send(boxed)) {
+            Some(Ok(())) => Work::pending(self.rank, rx),
+            _ => Work::done(self.rank, Err(DdpError::WorkerGone { rank: self.rank })),
+        }
+    }
+
+    /// Starts an all-reduce of `data`; [`Work::wait`] returns the reduced buffer, identical on
+    /// every rank. Every rank must pass a buffer of the same length and type.
+    pub fn all_reduce<T: Reduce>(&self, mut data: Vec<T>, op: ReduceOp) -> Work<Vec<T>> {
+        self.submit(move |t| t.all_reduce(&mut data, op).map(|()| data))
+    }
+
+    /// Starts a broadcast: every rank's buffer becomes `root`'s. Lengths must match.
+    pub fn broadcast<T: DataType>(&self, mut data: Vec<T>, root: usize) -> Work<Vec<T>> {
+        self.submit(move |t| t.broadcast(&mut data, root).map(|()| data))
+    }
+
+    /// Starts an all-gather of byte buffers (lengths may differ); the result is indexed by rank.
+    pub fn all_gather(&self, data: Vec<u8>) -> Work<Vec<Vec<u8>>> {
+        self.submit(move |t| t.all_gather(&data))
+    }
+
+    /// Starts a barrier: completes once every rank has reached it.
+    pub fn barrier(&self) -> Work<()> {
+        self.submit(|t| t.barrier())
+    }
+}
+
+impl Drop for ProcessGroup {
+    /// Lets queued collectives finish (each bounded by the timeout), tells the peers this rank
+    /// leaves, and stops the store if this rank serves it.
+    fn drop(&mut self) {
+        self.jobs.take();
+        if let Some(w) = self.worker.take() {
+            let _ = w.join();
+        }
+    }
+}

@@ -1,0 +1,218 @@
+//! Starts the rank processes of a program, as torchrun does: sets the launcher variables
+//! (`RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `LOCAL_WORLD_SIZE`, `GROUP_RANK`, `MASTER_ADDR`,
+//! `MASTER_PORT`), picks a free port when none is given, prefixes each output line with its
+//! rank, and when one rank fails stops the others and reports the rank that failed first.
+
+use std::ffi::OsString;
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::TcpListener;
+use std::path::PathBuf;
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+use crate::error::{DdpError, Result};
+
+/// What to launch and how.
+#[derive(Debug, Clone)]
+pub struct LaunchConfig {
+    /// The program each rank runs.
+    pub program: PathBuf,
+    /// Its arguments.
+    pub args: Vec<OsString>,
+    /// Processes on this node.
+    pub nproc_per_node: usize,
+    /// Number of nodes (each runs the launcher once).
+    pub nnodes: usize,
+    /// This node's index, `0..nnodes`.
+    pub node_rank: usize,
+    /// Host of rank 0 (default `127.0.0.1`).
+    pub master_addr: String,
+    /// Port of rank 0's store; `None` picks a free one (single node only).
+    pub master_port: Option<u16>,
+    /// Extra environment for every rank.
+    pub env: Vec<(OsString, OsString)>,
+}
+
+impl LaunchConfig {
+    /// `nproc` ranks of `program` on this machine.
+    pub fn new(program: impl Into<PathBuf>, nproc: usize) -> Self {
+        LaunchConfig {
+            program: program.into(),
+            args: Vec::new(),
+            nproc_per_node: nproc,
+            nnodes: 1,
+            node_rank: 0,
+            master_addr: "127.0.0.1".into(),
+            master_port: None,
+            env: Vec::new(),
+        }
+    }
+
+    /// Adds arguments.
+    pub fn args<I: IntoIterator<Item = S>, S: Into<OsString>>(mut self, args: I) -> Self {
+        self.args.extend(args.into_iter().map(Into::into));
+        self
+    }
+
+    /// Adds an environment variable for every rank.
+    pub fn env(mut self, key: impl Into<OsString>, value: impl Into<OsString>) -> Self {
+        self.env.push((key.into(), value.into()));
+        self
+    }
+}
+
+/// Asks the OS for a free TCP port on `host` (as torchrun's `--standalone`).
+pub fn free_port(host: &str) -> Result<u16> {
+    let l = TcpListener::bind((host, 0)).map_err(|source| DdpError::Bind {
+        addr: format!("{host}:0"),
+        what: "free-port probe",
+        hint: String::new(),
+        source,
+    })?;
+    l.local_addr()
+        .map(|a| a.port())
+        .map_err(|e| DdpError::io("reading a probed port", e))
+}
+
+fn describe(status: ExitStatus) -> String {
+    #[cfg(unix)]
+    {
+        use std::os::unix::process::ExitStatusExt;
+        if let Some(sig) = status.signal() {
+            return format!("killed by signal {sig}");
+        }
+    }
+    match status.code() {
+        Some(c) => format!("exited with code {c}"),
+        None => status.to_string(),
+    }
+}
+
+fn pump(
+    mut from: impl Read + Send + 'static,
+    rank: usize,
+    stderr: bool,
+) -> JoinHandle<()> {
+    std::thread::spawn(move || {
+        let mut reader = BufReader::new(&mut from);
+        let mut line = Vec::new();
+        while matches!(reader.read_until(b'\n', &mut line), Ok(n) if n > 0) {
+            if !line.ends_with(b"\n") {
+                line.push(b'\n');
+            }
+            let mut out: Box<dyn Write> = if stderr {
+                Box::new(std::io::stderr().lock())
+            } else {
+                Box::new(std::io::stdout().lock())
+            };
+            let _ = out.write_all(format!("[rank {rank}] ").as_bytes());
+            let _ = out.write_all(&line);
+            line.clear();
+        }
+    })
+}
+
+/// Runs the ranks of this node to completion. `Ok` when all exit with 0; otherwise the others
+/// are killed and the error names the rank that failed first and how.
+pub fn launch(cfg: &LaunchConfig) -> Result<()> {
+    if cfg.nproc_per_node == 0 || cfg.nnodes == 0 || cfg.node_rank >= cfg.nnodes {
+        return Err(DdpError::InvalidConfig(format!(
+            "nproc_per_node={} nnodes={} node_rank={}: need at least one process and node, and \
+             node_rank below nnodes",
+            cfg.nproc_per_node, cfg.nnodes, cfg.node_rank
+        )));
+    }
+    let port = match cfg.master_port {
+        Some(p) => p,
+        None if cfg.nnodes == 1 => free_port(&cfg.master_addr)?,
+        None => {
+            return Err(DdpError::InvalidConfig(
+                "with several nodes, give the same master port to every node".into(),
+            ));
+        }
+    };
+    let world = cfg.nproc_per_node * cfg.nnodes;
+    let mut children: Vec<Child> = Vec::new();
+    let mut pumps = Vec::new();
+    for local in 0..cfg.nproc_per_node {
+        let rank = cfg.node_rank * cfg.nproc_per_node + local;
+        let mut cmd = Command::new(&cfg.program);
+        cmd.args(&cfg.args)
+            .envs(cfg.env.iter().map(|(k, v)| (k, v)))
+            .env("RANK", rank.to_string())
+            .env("WORLD_SIZE", world.to_string())
+            .env("LOCAL_RANK", local.to_string())
+            .env("LOCAL_WORLD_SIZE", cfg.nproc_per_node.to_string())
+            .env("GROUP_RANK", cfg.node_rank.to_string())
+            .env("MASTER_ADDR", &cfg.master_addr)
+            .env("MASTER_PORT", port.to_string())
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped());
+        let mut child = match cmd.spawn() {
+            Ok(c) => c,
+            Err(e) => {
+                kill_all(&mut children);
+                return Err(DdpError::io(
+                    format!("starting rank {rank} ({})", cfg.program.display()),
+                    e,
+                ));
+            }
+        };
+        if let Some(out) = child.stdout.take() {
+            pumps.push(pump(out, rank, false));
+        }
+        if let Some(err) = child.stderr.take() {
+            pumps.push(pump(err, rank, true));
+        }
+        children.push(child);
+    }
+    log::info!("launched {} ranks of {}, store port {port}", children.len(), cfg.program.display());
+
+    let first = cfg.node_rank * cfg.nproc_per_node;
+    let mut done = vec![false; children.len()];
+    let result = loop {
+        let mut failure = None;
+        for (i, child) in children.iter_mut().enumerate() {
+            if done[i] {
+                continue;
+            }
+            match child.try_wait() {
+                Ok(Some(status)) => {
+                    done[i] = true;
+                    if !status.success() {
+                        failure = Some((first + i, describe(status)));
+                        break;
+                    }
+                }
+                Ok(None) => {}
+                Err(e) => {
+                    failure = Some((first + i, format!("cannot be waited for ({e})")));
+                    break;
+                }
+            }
+        }
+        if let Some((rank, status)) = failure {
+            kill_all(&mut children);
+            break Err(DdpError::RankFailed { rank, status });
+        }
+        if done.iter().all(|d| *d) {
+            break Ok(());
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    for p in pumps {
+        let _ = p.join();
+    }
+    result
+}
+
+fn kill_all(children: &mut [Child]) {
+    for c in children.iter_mut() {
+        let _ = c.kill();
+    }
+    for c in children.iter_mut() {
+        let _ = c.wait();
+    }
+}

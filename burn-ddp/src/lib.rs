@@ -1,0 +1,35 @@
+//! # burn-ddp
+//!
+//! Distributed data-parallel training for [burn](https://burn.dev), as PyTorch's
+//! `DistributedDataParallel` and `torchrun` give it to PyTorch users: one process per device,
+//! gradients averaged across processes and nodes each step, every replica identical.
+//!
+//! This crate holds the pieces that do not depend on a device:
+//! - [`env`]: who-am-I from torchrun, Slurm or Open MPI variables;
+//! - [`store`]: the rendezvous key-value store rank 0 serves;
+//! - [`ProcessGroup`]: rendezvous plus collectives (`all_reduce`, `broadcast`, `all_gather`,
+//!   `barrier`), each started now and waited for later through [`Work`];
+//! - [`collectives`]: element types, reduction operators, and the TCP transport (a pipelined
+//!   ring, gloo-like) that serves CPU training and every test;
+//! - [`launch`]: starting N rank processes of a program, as torchrun does.
+//!
+//! ```no_run
+//! use burn_ddp::{init_process_group, ReduceOp};
+//! let group = init_process_group()?; // world of one when no launcher variables are set
+//! let grads = vec![1.0f32; 1024];
+//! let pending = group.all_reduce(grads, ReduceOp::Avg); // runs in the background
+//! let averaged = pending.wait()?;
+//! # Ok::<(), burn_ddp::DdpError>(())
+//! ```
+
+pub mod collectives;
+pub mod env;
+mod error;
+mod group;
+pub mod launch;
+pub mod store;
+mod wire;
+
+pub use collectives::{DType, DataType, OpDesc, OpKind, Reduce, ReduceOp, Work};
+pub use error::{DdpError, Result};
+pub use group::{GroupOptions, ProcessGroup, ProcessGroupBuilder, init_process_group};

@@ -1,0 +1,264 @@
+//! The store server rank 0 hosts: a thread per client, one map, a condition variable for waits.
+
+use std::collections::HashMap;
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use super::protocol::{HELLO, MAX_FRAME_LEN, Request, Response};
+use crate::error::{DdpError, Result};
+use crate::wire::{FrameError, read_frame, write_frame};
+
+/// How long a new client has to send its hello.
+const HELLO_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// A running key-value store, as PyTorch's `TCPStore` server. Stops when dropped.
+///
+/// ```
+/// use burn_ddp::store::{Store, StoreServer};
+/// use std::time::Duration;
+/// let server = StoreServer::bind("127.0.0.1:0").unwrap();
+/// let store = Store::connect(&server.local_addr().to_string(), Duration::from_secs(5)).unwrap();
+/// store.set("k", b"v").unwrap();
+/// assert_eq!(store.add("n", 2).unwrap(), 2);
+/// assert_eq!(store.get("k").unwrap(), b"v");
+/// ```
+pub struct StoreServer {
+    addr: SocketAddr,
+    shared: Arc<Shared>,
+    accept: Option<JoinHandle<()>>,
+}
+
+struct Shared {
+    map: Mutex<HashMap<String, Vec<u8>>>,
+    changed: Condvar,
+    shutdown: AtomicBool,
+    clients: Mutex<Vec<TcpStream>>,
+}
+
+impl Shared {
+    fn map(&self) -> MutexGuard<'_, HashMap<String, Vec<u8>>> {
+        // A handler thread that panicked cannot leave the map half-written (every update is a
+        // single insert), so a poisoned lock is still usable.
+        self.map.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Waits until `ready(map)` holds, the deadline passes or the server stops.
+    fn wait_until(
+        &self,
+        timeout: Duration,
+        mut ready: impl FnMut(&HashMap<String, Vec<u8>>) -> bool,
+    ) -> (MutexGuard<'_, HashMap<String, Vec<u8>>>, bool) {
+        let deadline = Instant::now() + timeout;
+        let mut map = self.map();
+        loop {
+            if ready(&map) {
+                return (map, true);
+            }
+            let now = Instant::now();
+            if now >= deadline || self.shutdown.load(Ordering::Acquire) {
+                return (map, false);
+            }
+            map = self
+                .changed
+                .wait_timeout(map, deadline - now)
+                .unwrap_or_else(|p| p.into_inner())
+                .0;
+        }
+    }
+}
+
+impl StoreServer {
+    /// Listens on `addr` (use port 0 for an ephemeral port) and starts serving.
+    pub fn bind(addr: impl ToSocketAddrs + std::fmt::Debug) -> Result<Self> {
+        let shown = format!("{addr:?}").trim_matches('"').to_string();
+        let listener = TcpListener::bind(&addr).map_err(|source| DdpError::Bind {
+            hint: if source.kind() == std::io::ErrorKind::AddrInUse {
+                " (the port is already in use: another job or a stale process holds it; \
+                 choose another MASTER_PORT)"
+                    .to_string()
+            } else {
+                String::new()
+            },
+            addr: shown,
+            what: "rendezvous store",
+            source,
+        })?;
+        let addr = listener
+            .local_addr()
+            .map_err(|e| DdpError::io("reading the store's address", e))?;
+        let shared = Arc::new(Shared {
+            map: Mutex::new(HashMap::new()),
+            changed: Condvar::new(),
+            shutdown: AtomicBool::new(false),
+            clients: Mutex::new(Vec::new()),
+        });
+        let accept_shared = shared.clone();
+        let accept = std::thread::Builder::new()
+            .name("burn-ddp-store".into())
+            .spawn(move || accept_loop(listener, accept_shared))
+            .map_err(|e| DdpError::io("starting the store thread", e))?;
+        log::debug!("store listening on {addr}");
+        Ok(StoreServer {
+            addr,
+            shared,
+            accept: Some(accept),
+        })
+    }
+
+    /// The address the server listens on.
+    pub fn local_addr(&self) -> SocketAddr {
+        self.addr
+    }
+}
+
+impl Drop for StoreServer {
+    fn drop(&mut self) {
+        self.shared.shutdown.store(true, Ordering::Release);
+        self.shared.changed.notify_all();
+        for client in self
+            .shared
+            .clients
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .drain(..)
+        {
+            let _ = client.shutdown(std::net::Shutdown::Both);
+        }
+        // Wake the accept loop with a connection of our own.
+        let mut wake = self.addr;
+        if wake.ip().is_unspecified() {
+            wake.set_ip(std::net::Ipv4Addr::LOCALHOST.into());
+        }
+        if TcpStream::connect_timeout(&wake, Duration::from_secs(1)).is_ok()
+            && let Some(handle) = self.accept.take()
+        {
+            let _ = handle.join();
+        }
+    }
+}
+
+fn accept_loop(listener: TcpListener, shared: Arc<Shared>) {
+    for conn in listener.incoming() {
+        if shared.shutdown.load(Ordering::Acquire) {
+            return;
+        }
+        let stream = match conn {
+            Ok(s) => s,
+            Err(e) => {
+                log::warn!("store: accept failed: {e}");
+                continue;
+            }
+        };
+        if let Ok(clone) = stream.try_clone() {
+            let mut clients = shared.clients.lock().unwrap_or_else(|p| p.into_inner());
+            clients.retain(|c| c.peer_addr().is_ok());
+            clients.push(clone);
+        }
+        let shared = shared.clone();
+        let spawned = std::thread::Builder::new()
+            .name("burn-ddp-store-client".into())
+            .spawn(move || {
+                let peer = stream
+                    .peer_addr()
+                    .map_or_else(|_| "?".to_string(), |a| a.to_string());
+                if let Err(e) = serve_client(stream, &shared) {
+                    log::warn!("store: client {peer} dropped: {e}");
+                }
+            });
+        if let Err(e) = spawned {
+            log::warn!("store: cannot start a client thread: {e}");
+        }
+    }
+}
+
+fn serve_client(mut stream: TcpStream, shared: &Shared) -> std::result::Result<(), String> {
+    let _ = stream.set_nodelay(true);
+    stream
+        .set_read_timeout(Some(HELLO_TIMEOUT))
+        .map_err(|e| e.to_string())?;
+    let mut hello = vec![0u8; HELLO.len()];
+    stream
+        .read_exact(&mut hello)
+        .map_err(|e| format!("no hello: {e}"))?;
+    if hello != HELLO {
+        return Err("not a burn-ddp store client (bad hello)".into());
+    }
+    stream.write_all(HELLO).map_err(|e| e.to_string())?;
+    // Clients may stay idle for a whole training run.
+    stream.set_read_timeout(None).map_err(|e| e.to_string())?;
+    loop {
+        let body = match read_frame(&mut stream, MAX_FRAME_LEN) {
+            Ok(b) => b,
+            Err(FrameError::Closed) => return Ok(()),
+            Err(e) => return Err(e.to_string()),
+        };
+        let (response, fatal) = match Request::decode(&body) {
+            Ok(req) => (handle(req, shared), None),
+            Err(e) => (Response::Error(format!("bad request: {e}")), Some(e)),
+        };
+        write_frame(&mut stream, &response.encode()).map_err(|e| e.to_string())?;
+        if let Some(e) = fatal {
+            return Err(format!("bad request: {e}"));
+        }
+    }
+}
+
+fn handle(req: Request, shared: &Shared) -> Response {
+    match req {
+        Request::Set { key, value } => {
+            shared.map().insert(key, value);
+            shared.changed.notify_all();
+            Response::Ok
+        }
+        Request::Get { key, timeout } => {
+            let (map, ok) = shared.wait_until(timeout, |m| m.contains_key(&key));
+            match map.get(&key) {
+                Some(v) if ok => Response::Value(v.clone()),
+                _ => Response::Timeout(vec![key]),
+            }
+        }
+        Request::Add { key, delta } => {
+            let mut map = shared.map();
+            let current = match map.get(&key) {
+                None => 0,
+                Some(v) => match std::str::from_utf8(v).ok().and_then(|s| s.parse::<i64>().ok()) {
+                    Some(i) => i,
+                    None => return Response::Error(format!("key {key:?} does not hold an integer")),
+                },
+            };
+            let sum = current.saturating_add(delta);
+            map.insert(key, sum.to_string().into_bytes());
+            drop(map);
+            shared.changed.notify_all();
+            Response::Int(sum)
+        }
+        Request::CompareSet {
+            key,
+            expected,
+            desired,
+        } => {
+            let mut map = shared.map();
+            let current = map.get(&key).cloned().unwrap_or_default();
+            if current == expected {
+                map.insert(key, desired.clone());
+                drop(map);
+                shared.changed.notify_all();
+                Response::Value(desired)
+            } else {
+                Response::Value(current)
+            }
+        }
+        Request::Wait { keys, timeout } => {
+            let (map, ok) = shared.wait_until(timeout, |m| keys.iter().all(|k| m.contains_key(k)));
+            if ok {
+                Response::Ok
+            } else {
+                Response::Timeout(keys.into_iter().filter(|k| !map.contains_key(k)).collect())
+            }
+        }
+    }
+}

@@ -1,0 +1,189 @@
+//! Bounded binary encoding shared by the store protocol and the data-plane handshake.
+//!
+//! Messages are length-prefixed frames (`u32` little-endian length, then the body). A reader
+//! never trusts a length it has not checked against the bytes actually present or a fixed
+//! maximum, so garbage or absurd lengths become errors, never large allocations.
+
+use std::io::{self, Read, Write};
+
+/// Appends little-endian fields to a frame body.
+#[derive(Default)]
+pub(crate) struct Writer {
+    pub(crate) buf: Vec<u8>,
+}
+
+impl Writer {
+    pub(crate) fn u8(&mut self, v: u8) -> &mut Self {
+        self.buf.push(v);
+        self
+    }
+    pub(crate) fn u32(&mut self, v: u32) -> &mut Self {
+        self.buf.extend_from_slice(&v.to_le_bytes());
+        self
+    }
+    pub(crate) fn u64(&mut self, v: u64) -> &mut Self {
+        self.buf.extend_from_slice(&v.to_le_bytes());
+        self
+    }
+    pub(crate) fn i64(&mut self, v: i64) -> &mut Self {
+        self.buf.extend_from_slice(&v.to_le_bytes());
+        self
+    }
+    /// A `u32` length followed by the bytes.
+    pub(crate) fn bytes(&mut self, v: &[u8]) -> &mut Self {
+        self.u32(v.len() as u32);
+        self.buf.extend_from_slice(v);
+        self
+    }
+}
+
+/// Reads fields from a received body, checking every length against what is left.
+pub(crate) struct Reader<'a> {
+    buf: &'a [u8],
+}
+
+impl<'a> Reader<'a> {
+    pub(crate) fn new(buf: &'a [u8]) -> Self {
+        Reader { buf }
+    }
+    fn take(&mut self, n: usize) -> Result<&'a [u8], String> {
+        if self.buf.len() < n {
+            return Err(format!(
+                "truncated message: needed {n} more bytes, {} left",
+                self.buf.len()
+            ));
+        }
+        let (head, tail) = self.buf.split_at(n);
+        self.buf = tail;
+        Ok(head)
+    }
+    pub(crate) fn u8(&mut self) -> Result<u8, String> {
+        Ok(self.take(1)?[0])
+    }
+    pub(crate) fn u32(&mut self) -> Result<u32, String> {
+        Ok(u32::from_le_bytes(self.take(4)?.try_into().expect("4 bytes")))
+    }
+    pub(crate) fn u64(&mut self) -> Result<u64, String> {
+        Ok(u64::from_le_bytes(self.take(8)?.try_into().expect("8 bytes")))
+    }
+    pub(crate) fn i64(&mut self) -> Result<i64, String> {
+        Ok(i64::from_le_bytes(self.take(8)?.try_into().expect("8 bytes")))
+    }
+    pub(crate) fn bytes(&mut self) -> Result<&'a [u8], String> {
+        let n = self.u32()? as usize;
+        self.take(n)
+    }
+    pub(crate) fn string(&mut self) -> Result<String, String> {
+        let b = self.bytes()?;
+        String::from_utf8(b.to_vec()).map_err(|_| "string is not UTF-8".to_string())
+    }
+    /// Fails unless every byte was consumed.
+    pub(crate) fn finish(&self) -> Result<(), String> {
+        if self.buf.is_empty() {
+            Ok(())
+        } else {
+            Err(format!("{} unexpected trailing bytes", self.buf.len()))
+        }
+    }
+}
+
+/// Why reading a frame failed.
+#[derive(Debug)]
+pub(crate) enum FrameError {
+    /// The peer closed the connection cleanly before a new frame started.
+    Closed,
+    /// The socket failed (including timeouts and a close in the middle of a frame).
+    Io(io::Error),
+    /// The frame announced a length above the limit.
+    TooLong(u64),
+}
+
+impl std::fmt::Display for FrameError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            FrameError::Closed => write!(f, "connection closed"),
+            FrameError::Io(e) => write!(f, "{e}"),
+            FrameError::TooLong(n) => write!(f, "frame of {n} bytes exceeds the limit"),
+        }
+    }
+}
+
+/// Writes one frame (length prefix and body).
+pub(crate) fn write_frame(w: &mut impl Write, body: &[u8]) -> io::Result<()> {
+    let mut out = Vec::with_capacity(4 + body.len());
+    out.extend_from_slice(&(body.len() as u32).to_le_bytes());
+    out.extend_from_slice(body);
+    w.write_all(&out)?;
+    w.flush()
+}
+
+/// Reads one frame of at most `max_len` bytes. The body buffer grows only as bytes arrive.
+pub(crate) fn read_frame(r: &mut impl Read, max_len: usize) -> Result<Vec<u8>, FrameError> {
+    let mut len = [0u8; 4];
+    let mut got = 0;
+    while got < 4 {
+        match r.read(&mut len[got..]) {
+            Ok(0) if got == 0 => return Err(FrameError::Closed),
+            Ok(0) => {
+                return Err(FrameError::Io(io::Error::new(
+                    io::ErrorKind::UnexpectedEof,
+                    "connection closed inside a frame header",
+                )));
+            }
+            Ok(n) => got += n,
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(FrameError::Io(e)),
+        }
+    }
+    let len = u32::from_le_bytes(len) as usize;
+    if len > max_len {
+        return Err(FrameError::TooLong(len as u64));
+    }
+    let mut body = Vec::new();
+    r.take(len as u64)
+        .read_to_end(&mut body)
+        .map_err(FrameError::Io)?;
+    if body.len() != len {
+        return Err(FrameError::Io(io::Error::new(
+            io::ErrorKind::UnexpectedEof,
+            format!("connection closed after {} of {len} frame bytes", body.len()),
+        )));
+    }
+    Ok(body)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn absurd_length_is_refused_before_allocating() {
+        let mut input: &[u8] = &[0xff, 0xff, 0xff, 0xff, 1, 2, 3];
+        assert!(matches!(
+            read_frame(&mut input, 1024),
+            Err(FrameError::TooLong(0xffff_ffff))
+        ));
+    }
+
+    #[test]
+    fn truncated_frame_is_an_error() {
+        let mut input: &[u8] = &[10, 0, 0, 0, 1, 2, 3];
+        assert!(matches!(read_frame(&mut input, 1024), Err(FrameError::Io(_))));
+        let mut empty: &[u8] = &[];
+        assert!(matches!(read_frame(&mut empty, 1024), Err(FrameError::Closed)));
+    }
+
+    #[test]
+    fn reader_checks_inner_lengths() {
+        let mut w = Writer::default();
+        w.u32(1_000_000).u8(1);
+        let mut r = Reader::new(&w.buf);
+        assert!(r.bytes().is_err());
+        let mut w = Writer::default();
+        w.bytes(b"key").i64(-5);
+        let mut r = Reader::new(&w.buf);
+        assert_eq!(r.string().unwrap(), "key");
+        assert_eq!(r.i64().unwrap(), -5);
+        r.finish().unwrap();
+    }
+}
