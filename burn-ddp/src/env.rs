@@ -84,9 +84,7 @@ const FAMILIES: [Names; 3] = [
 impl LaunchEnv {
     /// Reads the process environment.
     pub fn from_env() -> Result<Self> {
-        Self::from_lookup(|name| {
-            std::env::var_os(name).map(|v| v.to_string_lossy().into_owned())
-        })
+        Self::from_lookup(|name| std::env::var_os(name).map(|v| v.to_string_lossy().into_owned()))
     }
 
     /// Reads variables through `get` (a map in tests, the process environment in

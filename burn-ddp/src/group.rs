@@ -7,8 +7,8 @@
 //! returns a [`Work`] to wait on.
 
 use std::net::ToSocketAddrs;
-use std::sync::mpsc::{self, Sender};
 use std::sync::Arc;
+use std::sync::mpsc::{self, Sender};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 

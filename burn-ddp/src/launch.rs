@@ -8,8 +8,8 @@ use std::io::{BufRead, BufReader, Read, Write};
 use std::net::TcpListener;
 use std::path::PathBuf;
 use std::process::{Child, Command, ExitStatus, Stdio};
+use std::sync::mpsc;
 use std::thread::JoinHandle;
-use std::time::Duration;
 
 use crate::error::{DdpError, Result};
 
@@ -89,11 +89,7 @@ fn describe(status: ExitStatus) -> String {
     }
 }
 
-fn pump(
-    mut from: impl Read + Send + 'static,
-    rank: usize,
-    stderr: bool,
-) -> JoinHandle<()> {
+fn pump(mut from: impl Read + Send + 'static, rank: usize, stderr: bool) -> JoinHandle<()> {
     std::thread::spawn(move || {
         let mut reader = BufReader::new(&mut from);
         let mut line = Vec::new();
@@ -168,44 +164,55 @@ pub fn launch(cfg: &LaunchConfig) -> Result<()> {
         }
         children.push(child);
     }
-    log::info!("launched {} ranks of {}, store port {port}", children.len(), cfg.program.display());
+    log::info!(
+        "launched {} ranks of {}, store port {port}",
+        children.len(),
+        cfg.program.display()
+    );
 
+    // One waiter per rank, so exits are seen in the order they happen.
     let first = cfg.node_rank * cfg.nproc_per_node;
-    let mut done = vec![false; children.len()];
-    let result = loop {
-        let mut failure = None;
-        for (i, child) in children.iter_mut().enumerate() {
-            if done[i] {
-                continue;
+    let pids: Vec<u32> = children.iter().map(Child::id).collect();
+    let (tx, rx) = mpsc::channel();
+    for (i, mut child) in children.into_iter().enumerate() {
+        let tx = tx.clone();
+        std::thread::spawn(move || {
+            let _ = tx.send((i, child.wait()));
+        });
+    }
+    drop(tx);
+    let mut running = vec![true; pids.len()];
+    let mut result = Ok(());
+    while let Ok((i, status)) = rx.recv() {
+        running[i] = false;
+        let failure = match status {
+            Ok(s) if s.success() => continue,
+            Ok(s) => describe(s),
+            Err(e) => format!("cannot be waited for ({e})"),
+        };
+        if result.is_ok() {
+            log::error!("rank {} {failure}; stopping the other ranks", first + i);
+            result = Err(DdpError::RankFailed {
+                rank: first + i,
+                status: failure,
+            });
+            for (pid, _) in pids.iter().zip(&running).filter(|(_, r)| **r) {
+                kill_pid(*pid);
             }
-            match child.try_wait() {
-                Ok(Some(status)) => {
-                    done[i] = true;
-                    if !status.success() {
-                        failure = Some((first + i, describe(status)));
-                        break;
-                    }
-                }
-                Ok(None) => {}
-                Err(e) => {
-                    failure = Some((first + i, format!("cannot be waited for ({e})")));
-                    break;
-                }
-            }
         }
-        if let Some((rank, status)) = failure {
-            kill_all(&mut children);
-            break Err(DdpError::RankFailed { rank, status });
-        }
-        if done.iter().all(|d| *d) {
-            break Ok(());
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    };
+    }
     for p in pumps {
         let _ = p.join();
     }
     result
+}
+
+/// Sends SIGKILL to a rank that is still running.
+fn kill_pid(pid: u32) {
+    #[cfg(unix)]
+    if let Some(pid) = rustix::process::Pid::from_raw(pid as i32) {
+        let _ = rustix::process::kill_process(pid, rustix::process::Signal::KILL);
+    }
 }
 
 fn kill_all(children: &mut [Child]) {

@@ -61,13 +61,19 @@ impl<'a> Reader<'a> {
         Ok(self.take(1)?[0])
     }
     pub(crate) fn u32(&mut self) -> Result<u32, String> {
-        Ok(u32::from_le_bytes(self.take(4)?.try_into().expect("4 bytes")))
+        Ok(u32::from_le_bytes(
+            self.take(4)?.try_into().expect("4 bytes"),
+        ))
     }
     pub(crate) fn u64(&mut self) -> Result<u64, String> {
-        Ok(u64::from_le_bytes(self.take(8)?.try_into().expect("8 bytes")))
+        Ok(u64::from_le_bytes(
+            self.take(8)?.try_into().expect("8 bytes"),
+        ))
     }
     pub(crate) fn i64(&mut self) -> Result<i64, String> {
-        Ok(i64::from_le_bytes(self.take(8)?.try_into().expect("8 bytes")))
+        Ok(i64::from_le_bytes(
+            self.take(8)?.try_into().expect("8 bytes"),
+        ))
     }
     pub(crate) fn bytes(&mut self) -> Result<&'a [u8], String> {
         let n = self.u32()? as usize;
@@ -146,7 +152,10 @@ pub(crate) fn read_frame(r: &mut impl Read, max_len: usize) -> Result<Vec<u8>, F
     if body.len() != len {
         return Err(FrameError::Io(io::Error::new(
             io::ErrorKind::UnexpectedEof,
-            format!("connection closed after {} of {len} frame bytes", body.len()),
+            format!(
+                "connection closed after {} of {len} frame bytes",
+                body.len()
+            ),
         )));
     }
     Ok(body)
@@ -168,9 +177,15 @@ mod tests {
     #[test]
     fn truncated_frame_is_an_error() {
         let mut input: &[u8] = &[10, 0, 0, 0, 1, 2, 3];
-        assert!(matches!(read_frame(&mut input, 1024), Err(FrameError::Io(_))));
+        assert!(matches!(
+            read_frame(&mut input, 1024),
+            Err(FrameError::Io(_))
+        ));
         let mut empty: &[u8] = &[];
-        assert!(matches!(read_frame(&mut empty, 1024), Err(FrameError::Closed)));
+        assert!(matches!(
+            read_frame(&mut empty, 1024),
+            Err(FrameError::Closed)
+        ));
     }
 
     #[test]

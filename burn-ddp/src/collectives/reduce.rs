@@ -103,8 +103,12 @@ mod tests {
 
     #[test]
     fn half_sum_rounds_like_half_arithmetic() {
-        let xs: Vec<f16> = (0..1500).map(|i| f16::from_f32(i as f32 * 0.37 - 200.0)).collect();
-        let ys: Vec<f16> = (0..1500).map(|i| f16::from_f32(i as f32 * -0.11 + 3.5)).collect();
+        let xs: Vec<f16> = (0..1500)
+            .map(|i| f16::from_f32(i as f32 * 0.37 - 200.0))
+            .collect();
+        let ys: Vec<f16> = (0..1500)
+            .map(|i| f16::from_f32(i as f32 * -0.11 + 3.5))
+            .collect();
         let mut acc = xs.clone();
         f16::combine(&mut acc, &ys, ReduceOp::Sum);
         for i in 0..xs.len() {
@@ -112,6 +116,9 @@ mod tests {
         }
         let mut b: Vec<bf16> = xs.iter().map(|x| bf16::from_f32(x.to_f32())).collect();
         bf16::divide(&mut b, 3);
-        assert_eq!(b[7], bf16::from_f32(bf16::from_f32(xs[7].to_f32()).to_f32() / 3.0));
+        assert_eq!(
+            b[7],
+            bf16::from_f32(bf16::from_f32(xs[7].to_f32()).to_f32() / 3.0)
+        );
     }
 }

@@ -259,9 +259,7 @@ impl Store {
                     DdpError::StoreTimeout {
                         addr,
                         timeout,
-                        what: format!(
-                            "barrier {name:?}: {arrived} of {world_size} ranks arrived"
-                        ),
+                        what: format!("barrier {name:?}: {arrived} of {world_size} ranks arrived"),
                     }
                 }
                 other => other,

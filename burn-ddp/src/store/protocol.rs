@@ -32,7 +32,10 @@ pub(crate) enum Request {
         desired: Vec<u8>,
     },
     /// Waits up to `timeout` until every key is set.
-    Wait { keys: Vec<String>, timeout: Duration },
+    Wait {
+        keys: Vec<String>,
+        timeout: Duration,
+    },
 }
 
 /// The store's answer.

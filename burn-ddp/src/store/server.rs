@@ -225,9 +225,14 @@ fn handle(req: Request, shared: &Shared) -> Response {
             let mut map = shared.map();
             let current = match map.get(&key) {
                 None => 0,
-                Some(v) => match std::str::from_utf8(v).ok().and_then(|s| s.parse::<i64>().ok()) {
+                Some(v) => match std::str::from_utf8(v)
+                    .ok()
+                    .and_then(|s| s.parse::<i64>().ok())
+                {
                     Some(i) => i,
-                    None => return Response::Error(format!("key {key:?} does not hold an integer")),
+                    None => {
+                        return Response::Error(format!("key {key:?} does not hold an integer"));
+                    }
                 },
             };
             let sum = current.saturating_add(delta);

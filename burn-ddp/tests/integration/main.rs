@@ -1,1 +1,8 @@
-fn main(){}
+//! burn-ddp's integration tests: real ranks over loopback TCP, as threads and as processes.
+
+mod collectives;
+mod common;
+mod env;
+mod faults;
+mod processes;
+mod store;

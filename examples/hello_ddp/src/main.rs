@@ -19,7 +19,10 @@ fn main() -> anyhow::Result<()> {
         .all_gather(format!("rank {rank} on pid {}", std::process::id()).into_bytes())
         .wait()
         .context("all-gather")?;
-    println!("rank {rank} of {world}: sum of ranks {} over {} ranks", sum[0], sum[1]);
+    println!(
+        "rank {rank} of {world}: sum of ranks {} over {} ranks",
+        sum[0], sum[1]
+    );
     if rank == 0 {
         for n in names {
             println!("  {}", String::from_utf8_lossy(&n));

@@ -85,7 +85,8 @@ impl Header {
             2 => FrameKind::Goodbye,
             k => return Err(format!("unknown frame kind {k}")),
         };
-        let op = OpKind::from_code(b[5]).ok_or_else(|| format!("unknown operation code {}", b[5]))?;
+        let op =
+            OpKind::from_code(b[5]).ok_or_else(|| format!("unknown operation code {}", b[5]))?;
         let dtype = DType::from_code(b[6]).ok_or_else(|| format!("unknown dtype code {}", b[6]))?;
         Ok(Header {
             kind,

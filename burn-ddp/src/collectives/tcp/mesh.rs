@@ -73,7 +73,9 @@ pub(crate) fn connect(
         let addr: SocketAddr = String::from_utf8_lossy(&raw)
             .parse()
             .map_err(|_| fail(format!("rank {peer} published a bad address {raw:?}")))?;
-        let left = deadline.saturating_duration_since(Instant::now()).max(Duration::from_millis(1));
+        let left = deadline
+            .saturating_duration_since(Instant::now())
+            .max(Duration::from_millis(1));
         let mut stream = TcpStream::connect_timeout(&addr, left)
             .map_err(|e| fail(format!("cannot connect to rank {peer} at {addr}: {e}")))?;
         stream
@@ -116,7 +118,9 @@ pub(crate) fn connect(
             }
             Err(e) => return Err(DdpError::io("accepting a peer", e)),
         };
-        let left = deadline.saturating_duration_since(Instant::now()).max(Duration::from_millis(1));
+        let left = deadline
+            .saturating_duration_since(Instant::now())
+            .max(Duration::from_millis(1));
         let mut buf = [0u8; HELLO_LEN];
         let greeting = stream
             .set_nonblocking(false)
@@ -135,7 +139,9 @@ pub(crate) fn connect(
                 )));
             }
             Ok((r, _)) if r <= rank || r >= world => {
-                return Err(fail(format!("unexpected connection from rank {r} at {from}")));
+                return Err(fail(format!(
+                    "unexpected connection from rank {r} at {from}"
+                )));
             }
             Ok((r, _)) if peers[r].is_some() => {
                 return Err(fail(format!(

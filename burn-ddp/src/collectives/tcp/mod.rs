@@ -98,7 +98,11 @@ impl TcpTransport {
                 .map_err(|e| DdpError::io("configuring a data-plane socket", e))?;
             let mut stream = TcpStream::from_std(s);
             poll.registry()
-                .register(&mut stream, Token(r), Interest::READABLE | Interest::WRITABLE)
+                .register(
+                    &mut stream,
+                    Token(r),
+                    Interest::READABLE | Interest::WRITABLE,
+                )
                 .map_err(|e| DdpError::io("registering a data-plane socket", e))?;
             peers.push(Some(Peer {
                 stream,
@@ -155,7 +159,13 @@ impl TcpTransport {
         }
         let elem = size_of::<T>();
         let segments = balanced(data.len(), n, elem);
-        let sched = Schedule::ring(&segments, self.rank, n - 1, 2 * (n - 1), self.chunk_for(elem));
+        let sched = Schedule::ring(
+            &segments,
+            self.rank,
+            n - 1,
+            2 * (n - 1),
+            self.chunk_for(elem),
+        );
         let mut reduce = |acc: &mut [u8], other: &[u8], last: bool| {
             let acc: &mut [T] = bytemuck::cast_slice_mut(acc);
             T::combine(acc, bytemuck::cast_slice(other), op);
@@ -177,7 +187,12 @@ impl TcpTransport {
             return Ok(());
         }
         let sched = Schedule::chain(bytes, self.rank, self.world, root, self.chunk_for(1));
-        self.execute(&desc, bytemuck::cast_slice_mut(data), &sched, &mut |_, _, _| {})
+        self.execute(
+            &desc,
+            bytemuck::cast_slice_mut(data),
+            &sched,
+            &mut |_, _, _| {},
+        )
     }
 
     /// Gathers every rank's bytes (lengths may differ) into a list indexed by rank.
@@ -187,7 +202,11 @@ impl TcpTransport {
         sizes[self.rank] = data.len() as u64;
         self.ring_gather(OpKind::AllGatherSizes, &mut sizes, 1)?;
         let total = sizes.iter().fold(0u64, |a, s| a.saturating_add(*s));
-        let desc = self.begin(OpKind::AllGather, DType::U8, total.min(usize::MAX as u64) as usize)?;
+        let desc = self.begin(
+            OpKind::AllGather,
+            DType::U8,
+            total.min(usize::MAX as u64) as usize,
+        )?;
         // Every rank sees the same sizes, so every rank refuses alike and stays in step.
         if total > self.config.max_gather_bytes as u64 {
             return Err(self.invalid(
@@ -226,7 +245,12 @@ impl TcpTransport {
         }
         let bounds = balanced(self.world * per_rank, self.world, 8);
         let sched = Schedule::ring(&bounds, self.rank, 0, self.world - 1, self.chunk_for(8));
-        self.execute(&desc, bytemuck::cast_slice_mut(blocks), &sched, &mut |_, _, _| {})
+        self.execute(
+            &desc,
+            bytemuck::cast_slice_mut(blocks),
+            &sched,
+            &mut |_, _, _| {},
+        )
     }
 
     fn invalid(&self, desc: &OpDesc, reason: String) -> DdpError {
@@ -274,14 +298,13 @@ impl TcpTransport {
         let (mut recvd, mut recv_off) = (0usize, 0usize);
         let mut header = [0u8; HEADER_LEN];
         let mut last_progress = Instant::now();
-        let lost = |peer: usize, e: &io::Error| Failure::Lost {
-            peer,
-            detail: format!("connection to rank {peer} failed ({e})"),
-        };
 
         loop {
             let mut progressed = false;
-            let out = &self.peers[next].as_ref().expect("peer of another rank").stream;
+            let out = &self.peers[next]
+                .as_ref()
+                .expect("peer of another rank")
+                .stream;
             while sent < sched.sends.len() && sched.can_send(sent, recvd) {
                 let range = sched.sends[sent].clone();
                 let payload = &buf[range.clone()];
@@ -293,7 +316,7 @@ impl TcpTransport {
                     (&*out).write(&payload[send_off - HEADER_LEN..])
                 };
                 match res {
-                    Ok(0) => return Err(lost(next, &io::ErrorKind::WriteZero.into())),
+                    Ok(0) => return Err(self.send_failed(next, io::ErrorKind::WriteZero.into())),
                     Ok(k) => {
                         send_off += k;
                         progressed = true;
@@ -304,11 +327,14 @@ impl TcpTransport {
                     }
                     Err(e) if is_would_block(&e) => break,
                     Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-                    Err(e) => return Err(lost(next, &e)),
+                    Err(e) => return Err(self.send_failed(next, e)),
                 }
             }
 
-            let inp = &self.peers[prev].as_ref().expect("peer of another rank").stream;
+            let inp = &self.peers[prev]
+                .as_ref()
+                .expect("peer of another rank")
+                .stream;
             while recvd < sched.recvs.len() {
                 let (range, action) = sched.recvs[recvd].clone();
                 let len = range.len();
@@ -325,10 +351,7 @@ impl TcpTransport {
                     Ok(0) if len + HEADER_LEN > recv_off => {
                         return Err(Failure::Lost {
                             peer: prev,
-                            detail: format!(
-                                "rank {prev} closed its connection without leaving the group \
-                                 (process died or aborted)"
-                            ),
+                            detail: closed_message(prev),
                         });
                     }
                     Ok(k) => {
@@ -341,7 +364,7 @@ impl TcpTransport {
                     }
                     Err(e) if is_would_block(&e) => break,
                     Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-                    Err(e) => return Err(lost(prev, &e)),
+                    Err(e) => return Err(connection_failed(prev, &e)),
                 }
                 if recv_off == HEADER_LEN + len {
                     match action {
@@ -400,6 +423,27 @@ impl TcpTransport {
         }
     }
 
+    /// Explains a failed send to `next`: a goodbye waiting on the same connection says the
+    /// peer left; otherwise the socket error says how it went.
+    fn send_failed(&mut self, next: usize, e: io::Error) -> Failure {
+        let prev = (self.rank + self.world - 1) % self.world;
+        if next != prev {
+            if let Err(specific) = check_control(&mut self.peers, next) {
+                return specific;
+            }
+            if self.peers[next].as_ref().is_some_and(|p| p.departed) {
+                return Failure::Lost {
+                    peer: next,
+                    detail: format!(
+                        "rank {next} left the group (dropped its process group) while this rank \
+                         sends to it"
+                    ),
+                };
+            }
+        }
+        connection_failed(next, &e)
+    }
+
     /// Agrees on the root cause through the store, closes every connection so the neighbours
     /// notice at once, and marks the group failed.
     fn fail(&mut self, op: &OpDesc, failure: Failure) -> DdpError {
@@ -450,6 +494,22 @@ impl TcpTransport {
     }
 }
 
+fn closed_message(peer: usize) -> String {
+    format!("rank {peer} closed its connection without leaving the group (process died or aborted)")
+}
+
+/// A socket error on the connection to `peer`, worded by what it means.
+fn connection_failed(peer: usize, e: &io::Error) -> Failure {
+    use io::ErrorKind::*;
+    let detail = match e.kind() {
+        BrokenPipe | ConnectionReset | ConnectionAborted | UnexpectedEof | WriteZero => {
+            format!("{} ({e})", closed_message(peer))
+        }
+        _ => format!("connection to rank {peer} failed ({e})"),
+    };
+    Failure::Lost { peer, detail }
+}
+
 /// Checks a received header against what this rank expects next.
 fn check_header(
     raw: &[u8; HEADER_LEN],
@@ -497,10 +557,7 @@ fn check_control(peers: &mut [Option<Peer>], peer: usize) -> std::result::Result
             Ok(0) => {
                 return Err(Failure::Lost {
                     peer,
-                    detail: format!(
-                        "rank {peer} closed its connection without leaving the group \
-                         (process died or aborted)"
-                    ),
+                    detail: closed_message(peer),
                 });
             }
             Ok(k) => {
@@ -526,12 +583,7 @@ fn check_control(peers: &mut [Option<Peer>], peer: usize) -> std::result::Result
             Err(e) if is_would_block(&e) => return Ok(()),
             Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
             Err(_) if p.departed => return Ok(()),
-            Err(e) => {
-                return Err(Failure::Lost {
-                    peer,
-                    detail: format!("connection to rank {peer} failed ({e})"),
-                });
-            }
+            Err(e) => return Err(connection_failed(peer, &e)),
         }
     }
 }

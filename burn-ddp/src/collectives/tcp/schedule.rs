@@ -140,7 +140,11 @@ mod tests {
             }
         }
         for r in 0..n {
-            assert_eq!(sent[r], scheds[r].sends.len(), "rank {r} stuck (len {len}, n {n})");
+            assert_eq!(
+                sent[r],
+                scheds[r].sends.len(),
+                "rank {r} stuck (len {len}, n {n})"
+            );
             assert_eq!(recvd[r], scheds[r].recvs.len());
             for (i, x) in data[r].iter().enumerate() {
                 let want: u64 = (0..n).map(|q| (i * 10 + q) as u64).sum();

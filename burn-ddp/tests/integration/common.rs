@@ -1,0 +1,112 @@
+//! Helpers: worlds of ranks as threads, deterministic data, tolerances.
+
+use std::hash::Hasher;
+use std::time::Duration;
+
+use burn_ddp::store::StoreServer;
+use burn_ddp::{GroupOptions, ProcessGroup, Reduce};
+use half::{bf16, f16};
+
+/// Options with timeouts short enough for tests, long enough for a loaded 2-core machine.
+pub fn options(timeout_secs: u64) -> GroupOptions {
+    GroupOptions {
+        timeout: Duration::from_secs(timeout_secs),
+        rendezvous_timeout: Duration::from_secs(30),
+        ..GroupOptions::default()
+    }
+}
+
+/// Runs `f` on `n` ranks, one thread each, connected through a store this test serves on an
+/// ephemeral port. Returns the results in rank order; a panicking rank fails the test.
+pub fn run_world<T: Send>(
+    n: usize,
+    opts: GroupOptions,
+    f: impl Fn(ProcessGroup) -> T + Sync,
+) -> Vec<T> {
+    let server = StoreServer::bind("127.0.0.1:0").expect("store");
+    let port = server.local_addr().port();
+    std::thread::scope(|s| {
+        let handles: Vec<_> = (0..n)
+            .map(|rank| {
+                let (f, opts) = (&f, opts.clone());
+                s.spawn(move || {
+                    let group = ProcessGroup::builder(rank, n)
+                        .master_addr("127.0.0.1")
+                        .master_port(port)
+                        .host_store(false)
+                        .options(opts)
+                        .build()
+                        .unwrap_or_else(|e| panic!("rank {rank} could not join: {e}"));
+                    f(group)
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| h.join().expect("a rank panicked"))
+            .collect()
+    })
+}
+
+fn splitmix(mut x: u64) -> u64 {
+    x = x.wrapping_add(0x9e37_79b9_7f4a_7c15);
+    x = (x ^ (x >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    x = (x ^ (x >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    x ^ (x >> 31)
+}
+
+/// A deterministic value in [-1, 1) for (case, rank, index).
+pub fn value(case: u64, rank: usize, i: usize) -> f32 {
+    let h = splitmix(case.wrapping_mul(0x1000_0001) ^ ((rank as u64) << 40) ^ i as u64);
+    (h >> 40) as f32 / (1u64 << 23) as f32 - 1.0
+}
+
+/// Float types under test.
+pub trait TestFloat: Reduce + Copy + PartialEq + std::fmt::Debug {
+    /// Machine epsilon.
+    const EPS: f64;
+    fn from_f32(x: f32) -> Self;
+    fn to_f64(self) -> f64;
+}
+
+impl TestFloat for f32 {
+    const EPS: f64 = f32::EPSILON as f64;
+    fn from_f32(x: f32) -> Self {
+        x
+    }
+    fn to_f64(self) -> f64 {
+        self as f64
+    }
+}
+impl TestFloat for f16 {
+    const EPS: f64 = 0.000_976_562_5;
+    fn from_f32(x: f32) -> Self {
+        f16::from_f32(x)
+    }
+    fn to_f64(self) -> f64 {
+        self.to_f64()
+    }
+}
+impl TestFloat for bf16 {
+    const EPS: f64 = 0.007_812_5;
+    fn from_f32(x: f32) -> Self {
+        bf16::from_f32(x)
+    }
+    fn to_f64(self) -> f64 {
+        self.to_f64()
+    }
+}
+
+/// The data rank `rank` contributes to `case`.
+pub fn rank_data<T: TestFloat>(case: u64, rank: usize, len: usize) -> Vec<T> {
+    (0..len)
+        .map(|i| T::from_f32(value(case, rank, i)))
+        .collect()
+}
+
+/// A hash of a buffer's bytes, to compare results across ranks bit for bit.
+pub fn digest(bytes: &[u8]) -> u64 {
+    let mut h = std::hash::DefaultHasher::new();
+    h.write(bytes);
+    h.finish()
+}

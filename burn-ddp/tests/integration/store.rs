@@ -1,0 +1,157 @@
+//! The rendezvous store: operations, waits, late server start, garbage clients.
+
+use std::io::{Read, Write};
+use std::net::TcpStream;
+use std::time::{Duration, Instant};
+
+use burn_ddp::DdpError;
+use burn_ddp::store::{Store, StoreServer};
+
+fn pair() -> (StoreServer, Store) {
+    let server = StoreServer::bind("127.0.0.1:0").unwrap();
+    let client = Store::connect(&server.local_addr().to_string(), Duration::from_secs(5)).unwrap();
+    (server, client)
+}
+
+#[test]
+fn set_get_add_compare_set() {
+    let (_server, s) = pair();
+    s.set("a", b"1").unwrap();
+    assert_eq!(s.get("a").unwrap(), b"1");
+    assert_eq!(s.try_get("missing").unwrap(), None);
+    assert_eq!(s.add("n", 5).unwrap(), 5);
+    assert_eq!(s.add("n", -2).unwrap(), 3);
+    assert_eq!(s.compare_set("c", b"", b"first").unwrap(), b"first");
+    assert_eq!(s.compare_set("c", b"", b"second").unwrap(), b"first");
+    assert_eq!(s.compare_set("c", b"first", b"third").unwrap(), b"third");
+    let e = s
+        .add("a", 1)
+        .map(|_| ())
+        .and_then(|_| s.add("c", 1).map(|_| ()));
+    assert!(
+        e.unwrap_err()
+            .to_string()
+            .contains("does not hold an integer")
+    );
+}
+
+#[test]
+fn get_waits_for_a_later_set_and_times_out_cleanly() {
+    let (server, s) = pair();
+    let addr = server.local_addr().to_string();
+    let setter = std::thread::spawn(move || {
+        let other = Store::connect(&addr, Duration::from_secs(5)).unwrap();
+        std::thread::sleep(Duration::from_millis(200));
+        other.set("late", b"v").unwrap();
+    });
+    assert_eq!(
+        s.get_timeout("late", Duration::from_secs(10)).unwrap(),
+        b"v"
+    );
+    setter.join().unwrap();
+    let start = Instant::now();
+    let e = s
+        .wait(&["never".to_string()], Duration::from_millis(300))
+        .unwrap_err();
+    assert!(
+        matches!(e, DdpError::StoreTimeout { .. }) && e.to_string().contains("never"),
+        "{e}"
+    );
+    assert!(start.elapsed() < Duration::from_secs(5));
+}
+
+#[test]
+fn barrier_counts_arrivals() {
+    let server = StoreServer::bind("127.0.0.1:0").unwrap();
+    let addr = server.local_addr().to_string();
+    let threads: Vec<_> = (0..3)
+        .map(|_| {
+            let addr = addr.clone();
+            std::thread::spawn(move || {
+                let s = Store::connect(&addr, Duration::from_secs(5)).unwrap();
+                s.barrier("b", 3, Duration::from_secs(10))
+            })
+        })
+        .collect();
+    for t in threads {
+        t.join().unwrap().unwrap();
+    }
+    let s = Store::connect(&addr, Duration::from_secs(5)).unwrap();
+    let e = s
+        .barrier("lonely", 2, Duration::from_millis(200))
+        .unwrap_err();
+    assert!(e.to_string().contains("1 of 2 ranks arrived"), "{e}");
+}
+
+#[test]
+fn clients_wait_for_a_server_that_starts_late() {
+    let port = burn_ddp::launch::free_port("127.0.0.1").unwrap();
+    let addr = format!("127.0.0.1:{port}");
+    let server = std::thread::spawn(move || {
+        std::thread::sleep(Duration::from_millis(500));
+        let server = StoreServer::bind(("127.0.0.1", port)).unwrap();
+        std::thread::sleep(Duration::from_secs(2));
+        drop(server);
+    });
+    let s = Store::connect(&addr, Duration::from_secs(10)).unwrap();
+    s.set("k", b"v").unwrap();
+    server.join().unwrap();
+}
+
+#[test]
+fn unreachable_store_fails_within_the_timeout() {
+    let port = burn_ddp::launch::free_port("127.0.0.1").unwrap();
+    let start = Instant::now();
+    let e = Store::connect(&format!("127.0.0.1:{port}"), Duration::from_millis(700)).unwrap_err();
+    assert!(e.to_string().contains("not reachable"), "{e}");
+    assert!(
+        start.elapsed() < Duration::from_secs(3),
+        "{:?}",
+        start.elapsed()
+    );
+}
+
+#[test]
+fn garbage_and_absurd_frames_do_not_hurt_the_server() {
+    let (server, s) = pair();
+    let addr = server.local_addr();
+    // Wrong hello.
+    let mut c = TcpStream::connect(addr).unwrap();
+    c.write_all(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n").unwrap();
+    let mut buf = Vec::new();
+    c.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    let _ = c.read_to_end(&mut buf);
+    assert!(buf.is_empty(), "the server answered a stranger");
+    // Right hello, then a 4 GiB frame length, then garbage bodies.
+    for body in [
+        vec![0xff, 0xff, 0xff, 0xff],
+        vec![3, 0, 0, 0, 99, 1, 2],
+        vec![5, 0, 0, 0, 1, 0xff, 0xff, 0xff, 0x7f],
+    ] {
+        let mut c = TcpStream::connect(addr).unwrap();
+        c.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+        c.write_all(b"burn-ddp store v1").unwrap();
+        let mut hello = [0u8; 17];
+        c.read_exact(&mut hello).unwrap();
+        c.write_all(&body).unwrap();
+        let mut rest = Vec::new();
+        let _ = c.read_to_end(&mut rest); // an error answer or a close, never a hang
+    }
+    // The server still serves well-behaved clients.
+    s.set("after", b"ok").unwrap();
+    assert_eq!(s.get("after").unwrap(), b"ok");
+}
+
+#[test]
+fn a_server_that_is_not_a_store_is_named() {
+    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = l.local_addr().unwrap();
+    let t = std::thread::spawn(move || {
+        let (mut c, _) = l.accept().unwrap();
+        let _ = c.write_all(b"SSH-2.0-OpenSSH_9.2 and more bytes\r\n");
+        std::thread::sleep(Duration::from_millis(300));
+    });
+    let e = Store::connect(&addr.to_string(), Duration::from_secs(5)).unwrap_err();
+    assert!(e.to_string().contains("not a burn-ddp store"), "{e}");
+    t.join().unwrap();
+}
