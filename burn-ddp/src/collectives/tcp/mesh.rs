@@ -12,6 +12,8 @@ use crate::wire::{Reader, Writer};
 
 const HELLO_MAGIC: &[u8; 8] = b"BDDPMESH";
 const HELLO_LEN: usize = 16;
+/// Kernel socket buffers of data-plane connections (the kernel may cap or double it).
+const SOCKET_BUFFER: usize = 4 << 20;
 
 fn hello(rank: usize, world: usize) -> Vec<u8> {
     let mut w = Writer::default();
@@ -158,9 +160,12 @@ pub(crate) fn connect(
     }
 
     for stream in peers.iter().flatten() {
+        let sock = socket2::SockRef::from(stream);
         stream
             .set_nodelay(true)
             .and_then(|_| stream.set_read_timeout(None))
+            .and_then(|_| sock.set_send_buffer_size(SOCKET_BUFFER))
+            .and_then(|_| sock.set_recv_buffer_size(SOCKET_BUFFER))
             .map_err(|e| DdpError::io("configuring a data-plane socket", e))?;
     }
     Ok(peers)

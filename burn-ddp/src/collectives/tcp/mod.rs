@@ -38,6 +38,7 @@ pub(crate) struct TcpConfig {
     pub timeout: Duration,
     pub chunk_bytes: usize,
     pub max_gather_bytes: usize,
+    pub spin: Duration,
 }
 
 struct Peer {
@@ -385,6 +386,10 @@ impl TcpTransport {
                 continue;
             }
             let waited = last_progress.elapsed();
+            if waited < self.config.spin {
+                std::hint::spin_loop();
+                continue;
+            }
             if waited >= timeout {
                 let (peer, what) = if recvd < sched.recvs.len() {
                     (prev, "to receive from")
