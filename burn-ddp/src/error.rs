@@ -108,6 +108,12 @@ pub enum DdpError {
         /// Rank reporting.
         rank: usize,
     },
+    /// Ranks disagree on something that must be the same everywhere (model layout, settings).
+    #[error("ranks disagree: {0}")]
+    Disagreement(String),
+    /// A tensor could not be converted (for example a gradient of an unexpected type).
+    #[error("tensor conversion failed: {0}")]
+    Tensor(String),
     /// A rank process started by the launcher failed.
     #[error("rank {rank} failed first: {status}")]
     RankFailed {

@@ -28,6 +28,8 @@ mod error;
 mod group;
 pub mod launch;
 pub mod store;
+#[cfg(feature = "train")]
+pub mod train;
 mod wire;
 
 pub use collectives::{DType, DataType, OpDesc, OpKind, Reduce, ReduceOp, Work};

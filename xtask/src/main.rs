@@ -2,7 +2,7 @@
 //! ranks through `burn_ddp::launch`.
 //!
 //! - `multi-cpu --nproc N [--example NAME] [-- ARGS]`: N CPU ranks of an example (default
-//!   `hello_ddp`).
+//!   `quickstart`).
 //! - `multi-gpu ...`: one rank per GPU (needs the NCCL backend, not in this build).
 //! - `bench-collectives [--world N] [--sizes 4K,64M,...] [--chunk 512K] [--spin-us 20]`: the
 //!   all-reduce benchmark on N rank processes (release build).
@@ -118,7 +118,7 @@ fn multi_cpu(args: &[String]) -> Result<()> {
     let opts = Opts::parse(args, &["--release"])?;
     opts.check(&["--nproc", "--nproc-per-node", "--example", "--release"])?;
     let nproc = opts.number(&["--nproc", "--nproc-per-node"], 2)?;
-    let example = opts.get(&["--example"]).unwrap_or("hello_ddp");
+    let example = opts.get(&["--example"]).unwrap_or("quickstart");
     let exe = build(example, &[], opts.has("--release"))?;
     let cfg = LaunchConfig::new(exe, nproc).args(opts.rest.clone());
     launch(&cfg).context("multi-cpu run failed")

@@ -1,0 +1,151 @@
+//! `DdpLearner`: burn-train's `Learner`, data-parallel. Swap the type, launch with
+//! [`DdpTraining::launch_ddp`], run one process per device.
+//!
+//! ```ignore
+//! let learner = DdpLearner::new(model, optim, lr)?;      // was: Learner::new(model, optim, lr)
+//! let result = training.launch_ddp(learner)?;            // was: training.launch(learner)
+//! ```
+
+use std::fmt::Display;
+use std::sync::{Arc, Mutex};
+
+use burn::optim::ModuleOptimizer;
+use burn::optim::lr_scheduler::module_lr_scheduler::ModuleLrScheduler;
+use burn::train::{
+    InferenceStep, Learner, LearnerModel, LearningResult, SupervisedTraining, TrainStep,
+    TrainingStrategy,
+};
+
+use super::bucket::BucketConfig;
+use super::gather::GlobalItem;
+use super::params::{broadcast_module, check_agreement, layout};
+use super::reducer::GradientReducer;
+use super::sampler::DistributedSampler;
+use super::strategy::DdpStrategy;
+use crate::error::Result;
+use crate::{ProcessGroup, init_process_group};
+
+/// A data-parallel learner: the model, optimizer and schedule of a burn `Learner`, plus the
+/// process group they train in.
+pub struct DdpLearner<M: LearnerModel> {
+    model: M,
+    optim: ModuleOptimizer,
+    lr: ModuleLrScheduler,
+    group: Arc<ProcessGroup>,
+    buckets: BucketConfig,
+    samplers: Vec<DistributedSampler>,
+    settings: Vec<(String, String)>,
+}
+
+impl<M: LearnerModel> DdpLearner<M> {
+    /// Like `Learner::new`, in the process group described by the environment (a world of one
+    /// when no launcher variables are set).
+    pub fn new(model: M, optim: ModuleOptimizer, lr: impl Into<ModuleLrScheduler>) -> Result<Self> {
+        Ok(Self::with_group(
+            Arc::new(init_process_group()?),
+            model,
+            optim,
+            lr,
+        ))
+    }
+
+    /// Like `Learner::new`, in an existing group.
+    pub fn with_group(
+        group: Arc<ProcessGroup>,
+        model: M,
+        optim: ModuleOptimizer,
+        lr: impl Into<ModuleLrScheduler>,
+    ) -> Self {
+        DdpLearner {
+            model,
+            optim,
+            lr: lr.into(),
+            group,
+            buckets: BucketConfig::default(),
+            samplers: Vec::new(),
+            settings: Vec::new(),
+        }
+    }
+
+    /// The process group.
+    pub fn group(&self) -> &Arc<ProcessGroup> {
+        &self.group
+    }
+
+    /// A sampler whose epoch the learner advances (call once per `DistributedSampler` used).
+    pub fn sampler(mut self, sampler: &DistributedSampler) -> Self {
+        self.samplers.push(sampler.clone());
+        self
+    }
+
+    /// A training setting every rank must agree on (batch size, learning rate, seed...):
+    /// compared across ranks before training; a mismatch stops every rank naming the field.
+    pub fn setting(mut self, name: &str, value: impl Display) -> Self {
+        self.settings.push((name.to_string(), value.to_string()));
+        self
+    }
+
+    /// Bucket sizes (default 25 MiB, first bucket 1 MiB).
+    pub fn buckets(mut self, config: BucketConfig) -> Self {
+        self.buckets = config;
+        self
+    }
+
+    /// Checks agreement across ranks, broadcasts rank 0's parameters, and builds the burn
+    /// `Learner` and the strategy that trains it.
+    pub(crate) fn prepare(self) -> Result<(Learner<M>, DdpStrategy)> {
+        // On the autodiff device, parameters report whether they are trained.
+        let device = self
+            .model
+            .devices()
+            .first()
+            .cloned()
+            .unwrap_or_default()
+            .autodiff();
+        let model = self.model.fork(&device);
+        check_agreement(&self.group, &layout(&model), &self.settings)?;
+        let model = broadcast_module(model, &self.group)?;
+        let reducer = GradientReducer::new(&model, self.group.clone(), self.buckets);
+        let strategy = DdpStrategy {
+            group: self.group,
+            device,
+            reducer,
+            samplers: self.samplers,
+            failure: Arc::new(Mutex::new(None)),
+        };
+        Ok((Learner::new(model, self.optim, self.lr), strategy))
+    }
+}
+
+/// Launching burn-train's `SupervisedTraining` with a [`DdpLearner`].
+pub trait DdpTraining<M: LearnerModel> {
+    /// Trains on every rank. Rank 0 renders progress, logs, writes checkpoints and artifacts;
+    /// the others stay quiet. A failed collective (dead rank, timeout, disagreement) is
+    /// returned as an error on every rank.
+    fn launch_ddp(self, learner: DdpLearner<M>) -> Result<LearningResult<M>>;
+}
+
+impl<M> DdpTraining<M> for SupervisedTraining<M>
+where
+    M: LearnerModel,
+    <M as TrainStep>::Output: GlobalItem,
+    <M as InferenceStep>::Output: GlobalItem,
+{
+    fn launch_ddp(self, learner: DdpLearner<M>) -> Result<LearningResult<M>> {
+        let rank = learner.group.rank();
+        let (learner, strategy) = learner.prepare()?;
+        let failure = strategy.failure.clone();
+        let training = if rank == 0 {
+            self
+        } else {
+            self.with_application_logger(None)
+        };
+        let result = training
+            .with_training_strategy(TrainingStrategy::Custom(Arc::new(strategy)))
+            .launch(learner);
+        match failure.lock().unwrap_or_else(|p| p.into_inner()).take() {
+            Some(e) => Err(e),
+            None => Ok(result),
+        }
+    }
+}

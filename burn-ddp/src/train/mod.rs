@@ -1,0 +1,17 @@
+//! Data-parallel training with burn-train (feature `train`): bucketing, gradient reduction, the
+//! start-up agreement, `DistributedSampler`, and the `DdpLearner` strategy.
+
+mod bucket;
+mod gather;
+mod learner;
+mod params;
+mod reducer;
+mod sampler;
+mod strategy;
+
+pub use bucket::{Bucket, BucketConfig, BucketPlan};
+pub use gather::GlobalItem;
+pub use learner::{DdpLearner, DdpTraining};
+pub use params::{ParamInfo, broadcast_module, check_agreement, flat_parameters, layout};
+pub use reducer::GradientReducer;
+pub use sampler::{DistributedDataset, DistributedSampler};

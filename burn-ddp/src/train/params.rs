@@ -1,0 +1,166 @@
+//! Parameters in module visit order: their layout, the start-up agreement across ranks, and the
+//! broadcast of rank 0's values.
+//!
+//! Parameters are identified by their position in visit order and their module path, never by
+//! `ParamId`, which is random per process.
+
+use burn::module::{Module, ModuleMapper, ModuleVisitor, Param};
+use burn::tensor::{Tensor, TensorData};
+
+use crate::ProcessGroup;
+use crate::error::{DdpError, Result};
+
+/// One float tensor of a module (a parameter or a buffer such as a running mean).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ParamInfo {
+    /// Module path, for example `layers.1.weight`.
+    pub path: String,
+    /// Shape.
+    pub shape: Vec<usize>,
+    /// Element type, as burn names it.
+    pub dtype: String,
+    /// Whether it receives gradients (false for buffers and frozen parameters).
+    pub trainable: bool,
+}
+
+impl ParamInfo {
+    /// Number of elements.
+    pub fn numel(&self) -> usize {
+        self.shape.iter().product()
+    }
+}
+
+/// Tracks the module path while a visitor or mapper walks a module.
+#[derive(Default)]
+struct PathTracker(Vec<String>);
+
+impl PathTracker {
+    fn enter(&mut self, name: &str) {
+        self.0.push(name.to_string());
+    }
+    fn exit(&mut self) {
+        self.0.pop();
+    }
+    fn path(&self) -> String {
+        self.0.join(".")
+    }
+}
+
+struct LayoutVisitor {
+    path: PathTracker,
+    out: Vec<ParamInfo>,
+}
+
+impl ModuleVisitor for LayoutVisitor {
+    fn enter_module(&mut self, name: &str, _container: &str) {
+        self.path.enter(name);
+    }
+    fn exit_module(&mut self, _name: &str, _container: &str) {
+        self.path.exit();
+    }
+    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+        let t = param.val();
+        self.out.push(ParamInfo {
+            path: self.path.path(),
+            shape: t.dims().to_vec(),
+            dtype: format!("{:?}", t.dtype()),
+            trainable: t.is_require_grad(),
+        });
+    }
+}
+
+/// The float tensors of `module` in visit order.
+pub fn layout<M: Module>(module: &M) -> Vec<ParamInfo> {
+    let mut v = LayoutVisitor {
+        path: PathTracker::default(),
+        out: Vec::new(),
+    };
+    module.visit(&mut v);
+    v.out
+}
+
+/// Checks that every rank has the same parameter layout and the same training settings;
+/// otherwise every rank returns an error naming the first difference and the ranks involved.
+pub fn check_agreement(
+    group: &ProcessGroup,
+    params: &[ParamInfo],
+    settings: &[(String, String)],
+) -> Result<()> {
+    let mut lines: Vec<String> = vec![format!("setting world_size = {}", group.world_size())];
+    lines.extend(settings.iter().map(|(k, v)| format!("setting {k} = {v}")));
+    lines.push(format!("{} float tensors", params.len()));
+    lines.extend(params.iter().enumerate().map(|(i, p)| {
+        format!(
+            "parameter {i} `{}`: shape {:?}, {}{}",
+            p.path,
+            p.shape,
+            p.dtype,
+            if p.trainable { "" } else { ", not trained" }
+        )
+    }));
+    let mine = lines.join("\n");
+    let all = group.all_gather(mine.into_bytes()).wait()?;
+    let reference: Vec<&str> = std::str::from_utf8(&all[0]).unwrap_or("").lines().collect();
+    for (rank, theirs) in all.iter().enumerate().skip(1) {
+        let theirs: Vec<&str> = std::str::from_utf8(theirs).unwrap_or("").lines().collect();
+        let n = reference.len().max(theirs.len());
+        if let Some(i) = (0..n).find(|i| reference.get(*i) != theirs.get(*i)) {
+            let show = |l: Option<&&str>| l.map_or("nothing".to_string(), |s| s.to_string());
+            return Err(DdpError::Disagreement(format!(
+                "rank 0 has {} but rank {rank} has {}",
+                show(reference.get(i)),
+                show(theirs.get(i))
+            )));
+        }
+    }
+    Ok(())
+}
+
+struct Collect {
+    data: Vec<f32>,
+}
+
+impl ModuleVisitor for Collect {
+    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+        let data = param.val().into_data().convert::<f32>();
+        self.data
+            .extend_from_slice(data.as_slice::<f32>().expect("converted to f32"));
+    }
+}
+
+struct Assign {
+    data: Vec<f32>,
+    offset: usize,
+}
+
+impl ModuleMapper for Assign {
+    fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
+        param.map(|t| {
+            let (shape, dtype, device) = (t.shape(), t.dtype(), t.device());
+            let grad = t.is_require_grad();
+            let n = shape.num_elements();
+            let values = self.data[self.offset..self.offset + n].to_vec();
+            self.offset += n;
+            let data = TensorData::new(values, shape).convert_dtype(dtype);
+            Tensor::from_data(data, &device).set_require_grad(grad)
+        })
+    }
+}
+
+/// Every float tensor of `module` (parameters and buffers) as `f32`, flattened in visit order:
+/// for comparing replicas and checking results.
+pub fn flat_parameters<M: Module>(module: &M) -> Vec<f32> {
+    let mut collect = Collect { data: Vec::new() };
+    module.visit(&mut collect);
+    collect.data
+}
+
+/// Returns `module` with every float tensor (parameters and buffers) replaced by rank 0's
+/// values, so replicas start identical whatever their seeds. Call [`check_agreement`] first.
+pub fn broadcast_module<M: Module>(module: M, group: &ProcessGroup) -> Result<M> {
+    if group.world_size() == 1 {
+        return Ok(module);
+    }
+    let data = group.broadcast(flat_parameters(&module), 0).wait()?;
+    Ok(module.map(&mut Assign { data, offset: 0 }))
+}

@@ -1,0 +1,228 @@
+//! `DistributedSampler`: each rank's share of a dataset, reshuffled every epoch, as PyTorch's.
+//!
+//! The permutation of `0..len` is seeded with `seed + epoch`; the list is padded by repeating
+//! from its start (or cut, with `drop_last`) to a multiple of the world size; rank `r` takes
+//! positions `r, r + world, r + 2 * world, ...`. Every rank gets the same number of samples, so
+//! uneven datasets cannot leave one rank waiting in a collective, and the union of the ranks'
+//! i-th batches is the single-process i-th batch of the global batch size.
+
+use std::marker::PhantomData;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+
+use burn::data::dataset::{Dataset, DatasetError};
+
+/// Decides which samples each rank sees. Cloning shares the epoch counter.
+#[derive(Debug, Clone)]
+pub struct DistributedSampler {
+    rank: usize,
+    world_size: usize,
+    seed: u64,
+    shuffle: bool,
+    drop_last: bool,
+    epoch: Arc<AtomicUsize>,
+}
+
+fn splitmix(state: &mut u64) -> u64 {
+    *state = state.wrapping_add(0x9e37_79b9_7f4a_7c15);
+    let mut z = *state;
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    z ^ (z >> 31)
+}
+
+impl DistributedSampler {
+    /// Rank `rank` of `world_size`, shuffling with seed 0, padding (PyTorch's defaults).
+    pub fn new(rank: usize, world_size: usize) -> Self {
+        assert!(
+            rank < world_size,
+            "rank {rank} not below world size {world_size}"
+        );
+        DistributedSampler {
+            rank,
+            world_size,
+            seed: 0,
+            shuffle: true,
+            drop_last: false,
+            epoch: Arc::new(AtomicUsize::new(0)),
+        }
+    }
+
+    /// The sampler of this process in `group`.
+    pub fn for_group(group: &crate::ProcessGroup) -> Self {
+        Self::new(group.rank(), group.world_size())
+    }
+
+    /// Shuffle seed (must be the same on every rank).
+    pub fn seed(mut self, seed: u64) -> Self {
+        self.seed = seed;
+        self
+    }
+
+    /// Whether to shuffle (default true).
+    pub fn shuffle(mut self, shuffle: bool) -> Self {
+        self.shuffle = shuffle;
+        self
+    }
+
+    /// Cut the tail instead of padding (default false).
+    pub fn drop_last(mut self, drop_last: bool) -> Self {
+        self.drop_last = drop_last;
+        self
+    }
+
+    /// Selects the epoch (the learner calls it at the start of each epoch).
+    pub fn set_epoch(&self, epoch: usize) {
+        self.epoch.store(epoch, Ordering::Release);
+    }
+
+    /// The current epoch.
+    pub fn epoch(&self) -> usize {
+        self.epoch.load(Ordering::Acquire)
+    }
+
+    /// Samples per rank for a dataset of `len` items.
+    pub fn num_samples(&self, len: usize) -> usize {
+        if self.drop_last {
+            len / self.world_size
+        } else {
+            len.div_ceil(self.world_size)
+        }
+    }
+
+    /// This rank's dataset indices for the current epoch, in order.
+    pub fn indices(&self, len: usize) -> Vec<usize> {
+        self.indices_for_epoch(len, self.epoch())
+    }
+
+    fn indices_for_epoch(&self, len: usize, epoch: usize) -> Vec<usize> {
+        let mut order: Vec<usize> = (0..len).collect();
+        if self.shuffle {
+            let mut state = self.seed.wrapping_add(epoch as u64);
+            for i in (1..len).rev() {
+                let j = (splitmix(&mut state) % (i as u64 + 1)) as usize;
+                order.swap(i, j);
+            }
+        }
+        let total = self.num_samples(len) * self.world_size;
+        if total <= len {
+            order.truncate(total);
+        } else {
+            let mut k = 0;
+            while order.len() < total {
+                order.push(order[k]);
+                k += 1;
+            }
+        }
+        order
+            .into_iter()
+            .skip(self.rank)
+            .step_by(self.world_size)
+            .collect()
+    }
+
+    /// Wraps `dataset` so that it yields this rank's share, in the sampler's order.
+    pub fn dataset<I, D: Dataset<I>>(&self, dataset: D) -> DistributedDataset<D, I> {
+        DistributedDataset {
+            sampler: self.clone(),
+            len: self.num_samples(dataset.len()),
+            inner: dataset,
+            cache: Mutex::new(None),
+            _item: PhantomData,
+        }
+    }
+}
+
+/// A dataset restricted to one rank's share (see [`DistributedSampler::dataset`]). Build the
+/// data loader without its own shuffle: the sampler shuffles, per epoch.
+pub struct DistributedDataset<D, I> {
+    sampler: DistributedSampler,
+    inner: D,
+    len: usize,
+    cache: Mutex<Option<(usize, Arc<Vec<usize>>)>>,
+    _item: PhantomData<fn() -> I>,
+}
+
+impl<D: Dataset<I>, I> DistributedDataset<D, I> {
+    fn indices(&self) -> Arc<Vec<usize>> {
+        let epoch = self.sampler.epoch();
+        let mut cache = self.cache.lock().unwrap_or_else(|p| p.into_inner());
+        match &*cache {
+            Some((e, idx)) if *e == epoch => idx.clone(),
+            _ => {
+                let idx = Arc::new(self.sampler.indices_for_epoch(self.inner.len(), epoch));
+                *cache = Some((epoch, idx.clone()));
+                idx
+            }
+        }
+    }
+}
+
+impl<D: Dataset<I>, I> Dataset<I> for DistributedDataset<D, I> {
+    fn get(&self, index: usize) -> Result<I, DatasetError> {
+        match self.indices().get(index) {
+            Some(i) => self.inner.get(*i),
+            None => Err(DatasetError::new(std::io::Error::new(
+                std::io::ErrorKind::InvalidInput,
+                format!("index {index} is beyond this rank's {} samples", self.len),
+            ))),
+        }
+    }
+
+    fn len(&self) -> usize {
+        self.len
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn shards_are_disjoint_cover_and_equal_sized() {
+        for world in 1..=5 {
+            for len in [0, 1, 7, 10, 33] {
+                let shards: Vec<Vec<usize>> = (0..world)
+                    .map(|r| DistributedSampler::new(r, world).seed(3).indices(len))
+                    .collect();
+                let n = len.div_ceil(world);
+                assert!(shards.iter().all(|s| s.len() == n), "equal counts");
+                let mut all: Vec<usize> = shards.concat();
+                all.sort();
+                all.dedup();
+                assert_eq!(all, (0..len).collect::<Vec<_>>(), "covers every item");
+            }
+        }
+    }
+
+    #[test]
+    fn epochs_reshuffle_and_drop_last_cuts() {
+        let s = DistributedSampler::new(0, 2).seed(1);
+        let e0 = s.indices(100);
+        s.set_epoch(1);
+        assert_ne!(e0, s.indices(100));
+        s.set_epoch(0);
+        assert_eq!(e0, s.indices(100), "same epoch, same order");
+        let d = DistributedSampler::new(1, 3).drop_last(true);
+        assert_eq!(d.indices(10).len(), 3);
+    }
+
+    #[test]
+    fn union_of_ith_batches_is_the_global_ith_batch() {
+        let (len, world, b) = (50, 3, 4);
+        let global = DistributedSampler::new(0, 1).seed(9).indices(len);
+        let shards: Vec<_> = (0..world)
+            .map(|r| DistributedSampler::new(r, world).seed(9).indices(len))
+            .collect();
+        for i in 0..len / (world * b) {
+            let mut union: Vec<usize> = shards
+                .iter()
+                .flat_map(|s| s[i * b..(i + 1) * b].to_vec())
+                .collect();
+            let mut want = global[i * world * b..(i + 1) * world * b].to_vec();
+            union.sort();
+            want.sort();
+            assert_eq!(union, want, "batch {i}");
+        }
+    }
+}

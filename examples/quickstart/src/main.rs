@@ -1,0 +1,52 @@
+//! `quickstart`: trains `MyModel` on `MyDataset`, alone or as one rank of many:
+//!
+//! ```text
+//! cargo run -p quickstart -- --epochs 2
+//! cargo xtask multi-cpu --nproc 2 --example quickstart -- --epochs 2
+//! ```
+//!
+//! Flags: `--epochs N` `--batch-size B` (per rank) `--lr X` `--seed S` `--device cpu|cuda`
+//! `--save-model PATH` `--samples N` `--artifacts DIR` `--plain` (burn's own `Learner`, one
+//! process).
+
+use std::sync::Arc;
+
+use anyhow::{Context, Result, bail};
+use quickstart::{Config, run};
+
+fn parse() -> Result<Config> {
+    let mut cfg = Config::default();
+    let mut args = std::env::args().skip(1);
+    while let Some(flag) = args.next() {
+        let mut value = || args.next().with_context(|| format!("{flag} needs a value"));
+        match flag.as_str() {
+            "--epochs" => cfg.epochs = value()?.parse().context("--epochs")?,
+            "--batch-size" => cfg.batch_size = value()?.parse().context("--batch-size")?,
+            "--lr" => cfg.lr = value()?.parse().context("--lr")?,
+            "--seed" => cfg.seed = value()?.parse().context("--seed")?,
+            "--device" => cfg.device = value()?,
+            "--save-model" => cfg.save_model = Some(value()?.into()),
+            "--samples" => cfg.samples = value()?.parse().context("--samples")?,
+            "--artifacts" => cfg.artifacts = value()?.into(),
+            "--plain" => cfg.plain = true,
+            other => bail!("unknown flag {other}"),
+        }
+    }
+    Ok(cfg)
+}
+
+fn main() -> Result<()> {
+    let cfg = parse()?;
+    let group = Arc::new(burn_ddp::init_process_group().context("forming the process group")?);
+    let report = run(group.clone(), &cfg)?;
+    if group.rank() == 0 {
+        println!(
+            "quickstart: {} rank(s), {} epochs, batch {} per rank: validation accuracy {:.1}%",
+            group.world_size(),
+            cfg.epochs,
+            cfg.batch_size,
+            report.valid_accuracy
+        );
+    }
+    Ok(())
+}
