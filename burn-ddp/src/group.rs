@@ -8,6 +8,7 @@
 
 use std::net::ToSocketAddrs;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc::{self, Sender};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -223,6 +224,7 @@ impl ProcessGroupBuilder {
             options,
             jobs: Some(jobs),
             worker: Some(worker),
+            all_reduces: AtomicU64::new(0),
             _server: server,
         })
     }
@@ -258,6 +260,7 @@ pub struct ProcessGroup {
     options: GroupOptions,
     jobs: Option<Sender<Job>>,
     worker: Option<JoinHandle<()>>,
+    all_reduces: AtomicU64,
     _server: Option<StoreServer>,
 }
 
@@ -335,6 +338,11 @@ impl ProcessGroup {
     pub fn store(&self) -> &Arc<Store> {
         &self.store
     }
+    /// How many all-reduces this rank has issued (for checking communication volume).
+    pub fn all_reduce_count(&self) -> u64 {
+        self.all_reduces.load(Ordering::Relaxed)
+    }
+
     /// The options the group was formed with.
     pub fn options(&self) -> &GroupOptions {
         &self.options
@@ -357,6 +365,7 @@ impl ProcessGroup {
     /// Starts an all-reduce of `data`; [`Work::wait`] returns the reduced buffer, identical on
     /// every rank. Every rank must pass a buffer of the same length and type.
     pub fn all_reduce<T: Reduce>(&self, mut data: Vec<T>, op: ReduceOp) -> Work<Vec<T>> {
+        self.all_reduces.fetch_add(1, Ordering::Relaxed);
         self.submit(move |t| t.all_reduce(&mut data, op).map(|()| data))
     }
 

@@ -88,7 +88,6 @@ pub fn check_agreement(
 ) -> Result<()> {
     let mut lines: Vec<String> = vec![format!("setting world_size = {}", group.world_size())];
     lines.extend(settings.iter().map(|(k, v)| format!("setting {k} = {v}")));
-    lines.push(format!("{} float tensors", params.len()));
     lines.extend(params.iter().enumerate().map(|(i, p)| {
         format!(
             "parameter {i} `{}`: shape {:?}, {}{}",
@@ -98,6 +97,7 @@ pub fn check_agreement(
             if p.trainable { "" } else { ", not trained" }
         )
     }));
+    lines.push(format!("{} float tensors", params.len()));
     let mine = lines.join("\n");
     let all = group.all_gather(mine.into_bytes()).wait()?;
     let reference: Vec<&str> = std::str::from_utf8(&all[0]).unwrap_or("").lines().collect();

@@ -6,3 +6,4 @@ mod env;
 mod faults;
 mod processes;
 mod store;
+mod train;

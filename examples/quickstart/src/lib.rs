@@ -239,7 +239,8 @@ pub fn accuracy(model: &MyModel, device: &Device, samples: usize) -> Result<f64>
 pub fn run(group: Arc<ProcessGroup>, cfg: &Config) -> Result<Report> {
     let device = device(&cfg.device, group.local_rank())?;
     device.seed(cfg.seed);
-    let model = MyModel::init(&device);
+    // Parameters are initialised lazily; materialise them while the seed still decides.
+    let model = MyModel::init(&device).materialize();
 
     let sampler = DistributedSampler::for_group(&group).seed(cfg.seed);
     let valid_sampler = DistributedSampler::for_group(&group).shuffle(false);
