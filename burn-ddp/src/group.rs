@@ -240,7 +240,8 @@ fn host_port(host: &str, port: u16) -> String {
 
 type Job = Box<dyn FnOnce(&mut TcpTransport) + Send>;
 
-/// A connected group of ranks, as PyTorch's default process group.
+/// A connected group of ranks, as PyTorch's default process group. In a world of one,
+/// collectives complete at once on the calling thread.
 ///
 /// ```no_run
 /// // Run under `burn-ddp-run --nproc 2 ...`, torchrun, srun or mpirun:
@@ -366,21 +367,33 @@ impl ProcessGroup {
     /// every rank. Every rank must pass a buffer of the same length and type.
     pub fn all_reduce<T: Reduce>(&self, mut data: Vec<T>, op: ReduceOp) -> Work<Vec<T>> {
         self.all_reduces.fetch_add(1, Ordering::Relaxed);
+        if self.world_size == 1 {
+            return Work::done(self.rank, Ok(data));
+        }
         self.submit(move |t| t.all_reduce(&mut data, op).map(|()| data))
     }
 
     /// Starts a broadcast: every rank's buffer becomes `root`'s. Lengths must match.
     pub fn broadcast<T: DataType>(&self, mut data: Vec<T>, root: usize) -> Work<Vec<T>> {
+        if self.world_size == 1 && root == 0 {
+            return Work::done(self.rank, Ok(data));
+        }
         self.submit(move |t| t.broadcast(&mut data, root).map(|()| data))
     }
 
     /// Starts an all-gather of byte buffers (lengths may differ); the result is indexed by rank.
     pub fn all_gather(&self, data: Vec<u8>) -> Work<Vec<Vec<u8>>> {
+        if self.world_size == 1 && data.len() <= self.options.max_gather_bytes {
+            return Work::done(self.rank, Ok(vec![data]));
+        }
         self.submit(move |t| t.all_gather(&data))
     }
 
     /// Starts a barrier: completes once every rank has reached it.
     pub fn barrier(&self) -> Work<()> {
+        if self.world_size == 1 {
+            return Work::done(self.rank, Ok(()));
+        }
         self.submit(|t| t.barrier())
     }
 }

@@ -6,6 +6,8 @@
 //! - `multi-gpu ...`: one rank per GPU (needs the NCCL backend, not in this build).
 //! - `bench-collectives [--world N] [--sizes 4K,64M,...] [--chunk 512K] [--spin-us 20]`: the
 //!   all-reduce benchmark on N rank processes (release build).
+//! - `bench-train [--epochs 3] [--repeats 3]`: quickstart step time of `DdpLearner` at world
+//!   size 1 against burn's `Learner`, and samples/s at world size 2 against 1.
 
 use std::ffi::OsString;
 use std::path::PathBuf;
@@ -17,7 +19,8 @@ use burn_ddp::launch::{LaunchConfig, launch};
 const USAGE: &str = "usage:
   cargo xtask multi-cpu --nproc N [--example NAME] [--release] [-- ARGS...]
   cargo xtask multi-gpu [--nproc-per-node N] [--example NAME] [-- ARGS...]
-  cargo xtask bench-collectives [--world N] [--sizes 4K,64M,...] [--chunk 512K] [--spin-us 20] [--op sum|avg|max]";
+  cargo xtask bench-collectives [--world N] [--sizes 4K,64M,...] [--chunk 512K] [--spin-us 20] [--op sum|avg|max]
+  cargo xtask bench-train [--epochs 3] [--repeats 3] [--batch-size 32]";
 
 /// Builds one target and returns the path of its executable, read from cargo's JSON messages.
 fn build(package: &str, target: &[&str], release: bool) -> Result<PathBuf> {
@@ -138,6 +141,112 @@ fn bench_collectives(args: &[String]) -> Result<()> {
     launch(&LaunchConfig::new(exe, world).args(forwarded)).context("benchmark failed")
 }
 
+/// One quickstart run's figures, read from its `--report` file.
+struct Timing {
+    seconds: f64,
+    steps: f64,
+    samples: f64,
+}
+
+impl Timing {
+    fn per_step_ms(&self) -> f64 {
+        self.seconds * 1e3 / self.steps
+    }
+    fn samples_per_sec(&self) -> f64 {
+        self.samples / self.seconds
+    }
+}
+
+fn median(mut xs: Vec<f64>) -> f64 {
+    xs.sort_by(f64::total_cmp);
+    xs[xs.len() / 2]
+}
+
+fn bench_train(args: &[String]) -> Result<()> {
+    let opts = Opts::parse(args, &[])?;
+    opts.check(&["--epochs", "--repeats", "--batch-size"])?;
+    let epochs = opts.number(&["--epochs"], 3)?;
+    let repeats = opts.number(&["--repeats"], 3)?.max(1);
+    let batch = opts.number(&["--batch-size"], 32)?;
+    let exe = build("quickstart", &[], true)?;
+    let scratch = std::env::temp_dir().join(format!("burn-ddp-bench-train-{}", std::process::id()));
+    std::fs::create_dir_all(&scratch)?;
+    let run = |nproc: usize, plain: bool| -> Result<Timing> {
+        let report = scratch.join("report.txt");
+        let mut args: Vec<String> = vec![
+            "--quiet".into(),
+            "--epochs".into(),
+            epochs.to_string(),
+            "--batch-size".into(),
+            batch.to_string(),
+            "--report".into(),
+            report.display().to_string(),
+            "--artifacts".into(),
+            scratch.join("artifacts").display().to_string(),
+        ];
+        if plain {
+            args.push("--plain".into());
+        }
+        launch(&LaunchConfig::new(exe.clone(), nproc).args(args)).context("quickstart run")?;
+        let text = std::fs::read_to_string(&report)?;
+        let field = |name: &str| -> Result<f64> {
+            text.split_whitespace()
+                .find_map(|kv| kv.strip_prefix(&format!("{name}=")))
+                .with_context(|| format!("{name} missing from the report"))?
+                .parse()
+                .with_context(|| format!("bad {name} in the report"))
+        };
+        Ok(Timing {
+            seconds: field("seconds")?,
+            steps: field("steps")?,
+            samples: field("samples")?,
+        })
+    };
+    let (mut plain, mut ddp1, mut ddp2) = (vec![], vec![], vec![]);
+    for r in 0..repeats {
+        eprintln!("bench-train: round {} of {repeats}", r + 1);
+        plain.push(run(1, true)?);
+        ddp1.push(run(1, false)?);
+        ddp2.push(run(2, false)?);
+    }
+    let _ = std::fs::remove_dir_all(&scratch);
+    let step = |t: &[Timing]| median(t.iter().map(Timing::per_step_ms).collect());
+    let rate = |t: &[Timing]| median(t.iter().map(Timing::samples_per_sec).collect());
+    println!(
+        "bench-train: quickstart MLP, {epochs} epochs, batch {batch} per rank, median of {repeats}"
+    );
+    println!("{:<34} {:>12} {:>12}", "run", "ms/step", "samples/s");
+    println!(
+        "{:<34} {:>12.3} {:>12.0}",
+        "burn Learner, 1 process",
+        step(&plain),
+        rate(&plain)
+    );
+    println!(
+        "{:<34} {:>12.3} {:>12.0}",
+        "DdpLearner, world 1",
+        step(&ddp1),
+        rate(&ddp1)
+    );
+    println!(
+        "{:<34} {:>12.3} {:>12.0}",
+        "DdpLearner, world 2",
+        step(&ddp2),
+        rate(&ddp2)
+    );
+    println!(
+        "overhead of DdpLearner at world 1: {:+.1}% (ratio {:.3})",
+        (step(&ddp1) / step(&plain) - 1.0) * 100.0,
+        step(&ddp1) / step(&plain)
+    );
+    println!(
+        "scaling world 2 / world 1: {:.2}x samples/s ({:.0}% efficiency)",
+        rate(&ddp2) / rate(&ddp1),
+        rate(&ddp2) / rate(&ddp1) / 2.0 * 100.0
+    );
+    Ok(())
+}
+
 fn main() -> Result<()> {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let Some((task, rest)) = args.split_first() else {
@@ -150,6 +259,7 @@ fn main() -> Result<()> {
              yet; use `cargo xtask multi-cpu`"
         ),
         "bench-collectives" => bench_collectives(rest),
+        "bench-train" => bench_train(rest),
         "-h" | "--help" | "help" => {
             println!("{USAGE}");
             Ok(())

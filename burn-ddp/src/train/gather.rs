@@ -5,34 +5,36 @@ use burn::tensor::{Device, Int, Tensor, TensorData};
 use burn::train::{ClassificationOutput, RegressionOutput};
 
 use crate::ProcessGroup;
+use crate::collectives::Work;
 use crate::error::{DdpError, Result};
 use crate::wire::{Reader, Writer};
 
-/// A training or validation output that can be combined across ranks. Implemented for
-/// burn-train's [`ClassificationOutput`] and [`RegressionOutput`]; implement it for your own
-/// output types (usually: encode each tensor, then concatenate along the batch dimension).
+/// A training or validation output that can be combined across ranks: each rank encodes its
+/// own, the bytes are gathered, and rank 0 decodes all ranks' outputs into one (the
+/// concatenation of their batches). Implemented for burn-train's [`ClassificationOutput`] and
+/// [`RegressionOutput`]; implement it for your own output types.
 pub trait GlobalItem: Sized {
-    /// Collective: every rank calls it with its own output; rank 0 gets the combined output,
-    /// the others `None`. With one rank, returns the item unchanged.
-    fn gather_to_rank0(self, group: &ProcessGroup) -> Result<Option<Self>>;
+    /// This rank's output as bytes.
+    fn encode(self) -> Result<Vec<u8>>;
+    /// Every rank's output (in rank order) combined into one, on `device`.
+    fn decode_all(parts: &[Vec<u8>], device: &Device) -> Result<Self>;
 }
 
-fn put_float<const D: usize>(w: &mut Writer, t: Tensor<D>) -> Result<()> {
+fn put_float<const D: usize>(w: &mut Writer, t: Tensor<D>) {
     put(w, t.into_data().convert::<f32>())
 }
 
-fn put_int<const D: usize>(w: &mut Writer, t: Tensor<D, Int>) -> Result<()> {
+fn put_int<const D: usize>(w: &mut Writer, t: Tensor<D, Int>) {
     put(w, t.into_data().convert::<i64>())
 }
 
-fn put(w: &mut Writer, data: TensorData) -> Result<()> {
+fn put(w: &mut Writer, data: TensorData) {
     let dims = data.shape().clone();
     w.u32(dims.num_dims() as u32);
     for d in dims.iter() {
         w.u64(*d as u64);
     }
     w.bytes(data.as_bytes());
-    Ok(())
 }
 
 fn get<E: burn::tensor::Element + bytemuck::Pod>(
@@ -44,39 +46,14 @@ fn get<E: burn::tensor::Element + bytemuck::Pod>(
     }
     let dims: Vec<usize> = (0..n)
         .map(|_| r.u64().map(|d| d as usize))
-        .collect::<Result<_, _>>()?;
+        .collect::<std::result::Result<_, _>>()?;
     let bytes = r.bytes()?;
-    let count = dims.iter().product::<usize>();
-    if count * size_of::<E>() != bytes.len() {
+    let count = dims.iter().try_fold(1usize, |a, d| a.checked_mul(*d));
+    if count.and_then(|c| c.checked_mul(size_of::<E>())) != Some(bytes.len()) {
         return Err(format!("{} bytes for shape {dims:?}", bytes.len()));
     }
     let values: Vec<E> = bytemuck::pod_collect_to_vec(bytes);
     Ok(TensorData::new(values, dims))
-}
-
-/// Encodes with `encode` on every rank, gathers, and on rank 0 decodes every rank's bytes with
-/// `decode` and combines them with `combine`.
-fn gather_with<T>(
-    group: &ProcessGroup,
-    encode: impl FnOnce(&mut Writer) -> Result<()>,
-    decode: impl Fn(&mut Reader<'_>) -> std::result::Result<T, String>,
-    combine: impl FnOnce(Vec<T>) -> T,
-) -> Result<Option<T>> {
-    let mut w = Writer::default();
-    encode(&mut w)?;
-    let all = group.all_gather(w.buf).wait()?;
-    if group.rank() != 0 {
-        return Ok(None);
-    }
-    let parts = all
-        .iter()
-        .enumerate()
-        .map(|(rank, bytes)| {
-            decode(&mut Reader::new(bytes))
-                .map_err(|e| DdpError::Tensor(format!("metrics item from rank {rank}: {e}")))
-        })
-        .collect::<Result<Vec<T>>>()?;
-    Ok(Some(combine(parts)))
 }
 
 fn float<const D: usize>(
@@ -93,82 +70,106 @@ fn int<const D: usize>(
     Ok(Tensor::from_data(get::<i64>(r)?, device))
 }
 
+/// Decodes each rank's bytes with `decode` and concatenates the parts field by field.
+fn decode_each<T>(
+    parts: &[Vec<u8>],
+    decode: impl Fn(&mut Reader<'_>) -> std::result::Result<T, String>,
+) -> Result<Vec<T>> {
+    parts
+        .iter()
+        .enumerate()
+        .map(|(rank, bytes)| {
+            let mut r = Reader::new(bytes);
+            decode(&mut r)
+                .and_then(|t| r.finish().map(|()| t))
+                .map_err(|e| DdpError::Tensor(format!("metrics item from rank {rank}: {e}")))
+        })
+        .collect()
+}
+
 impl GlobalItem for ClassificationOutput {
-    fn gather_to_rank0(self, group: &ProcessGroup) -> Result<Option<Self>> {
-        if group.world_size() == 1 {
-            return Ok(Some(self));
-        }
-        let device = self.output.device();
-        gather_with(
-            group,
-            |w| {
-                put_float(w, self.loss)?;
-                put_float(w, self.output)?;
-                put_int(w, self.targets)
-            },
-            |r| {
-                Ok((
-                    float::<1>(r, &device)?,
-                    float::<2>(r, &device)?,
-                    int::<1>(r, &device)?,
-                ))
-            },
-            |parts| {
-                let (mut l, mut o, mut t) = (vec![], vec![], vec![]);
-                for (a, b, c) in parts {
-                    l.push(a);
-                    o.push(b);
-                    t.push(c);
-                }
-                (Tensor::cat(l, 0), Tensor::cat(o, 0), Tensor::cat(t, 0))
-            },
-        )
-        .map(|o| {
-            o.map(|(loss, output, targets)| ClassificationOutput {
-                loss,
-                output,
-                targets,
-            })
+    fn encode(self) -> Result<Vec<u8>> {
+        let mut w = Writer::default();
+        put_float(&mut w, self.loss);
+        put_float(&mut w, self.output);
+        put_int(&mut w, self.targets);
+        Ok(w.buf)
+    }
+
+    fn decode_all(parts: &[Vec<u8>], device: &Device) -> Result<Self> {
+        let items = decode_each(parts, |r| {
+            Ok((
+                float::<1>(r, device)?,
+                float::<2>(r, device)?,
+                int::<1>(r, device)?,
+            ))
+        })?;
+        let (loss, (output, targets)): (Vec<_>, (Vec<_>, Vec<_>)) =
+            items.into_iter().map(|(l, o, t)| (l, (o, t))).unzip();
+        Ok(ClassificationOutput {
+            loss: Tensor::cat(loss, 0),
+            output: Tensor::cat(output, 0),
+            targets: Tensor::cat(targets, 0),
         })
     }
 }
 
 impl GlobalItem for RegressionOutput {
-    fn gather_to_rank0(self, group: &ProcessGroup) -> Result<Option<Self>> {
-        if group.world_size() == 1 {
-            return Ok(Some(self));
-        }
-        let device = self.output.device();
-        gather_with(
-            group,
-            |w| {
-                put_float(w, self.loss)?;
-                put_float(w, self.output)?;
-                put_float(w, self.targets)
-            },
-            |r| {
-                Ok((
-                    float::<1>(r, &device)?,
-                    float::<2>(r, &device)?,
-                    float::<2>(r, &device)?,
-                ))
-            },
-            |parts| {
-                let (mut l, mut o, mut t) = (vec![], vec![], vec![]);
-                for (a, b, c) in parts {
-                    l.push(a);
-                    o.push(b);
-                    t.push(c);
-                }
-                (Tensor::cat(l, 0), Tensor::cat(o, 0), Tensor::cat(t, 0))
-            },
-        )
-        .map(|o| {
-            o.map(|(loss, output, targets)| RegressionOutput {
-                loss,
-                output,
-                targets,
-            })
+    fn encode(self) -> Result<Vec<u8>> {
+        let mut w = Writer::default();
+        put_float(&mut w, self.loss);
+        put_float(&mut w, self.output);
+        put_float(&mut w, self.targets);
+        Ok(w.buf)
+    }
+
+    fn decode_all(parts: &[Vec<u8>], device: &Device) -> Result<Self> {
+        let items = decode_each(parts, |r| {
+            Ok((
+                float::<1>(r, device)?,
+                float::<2>(r, device)?,
+                float::<2>(r, device)?,
+            ))
+        })?;
+        let (loss, (output, targets)): (Vec<_>, (Vec<_>, Vec<_>)) =
+            items.into_iter().map(|(l, o, t)| (l, (o, t))).unzip();
+        Ok(RegressionOutput {
+            loss: Tensor::cat(loss, 0),
+            output: Tensor::cat(output, 0),
+            targets: Tensor::cat(targets, 0),
         })
+    }
+}
+
+/// An output on its way to rank 0: gathered in the background while the next step computes.
+pub(crate) enum PendingItem<T> {
+    /// A world of one: the output itself.
+    Local(T),
+    /// The all-gather of every rank's encoded output.
+    Gathering(Work<Vec<Vec<u8>>>),
+}
+
+impl<T: GlobalItem> PendingItem<T> {
+    /// Starts combining `item` across the ranks of `group`.
+    pub(crate) fn start(item: T, group: &ProcessGroup) -> Result<Self> {
+        if group.world_size() == 1 {
+            return Ok(PendingItem::Local(item));
+        }
+        Ok(PendingItem::Gathering(group.all_gather(item.encode()?)))
+    }
+
+    /// Waits for the gather; rank 0 gets the combined output, the others `None`.
+    pub(crate) fn finish(self, rank: usize, device: &Device) -> Result<Option<T>> {
+        match self {
+            PendingItem::Local(item) => Ok(Some(item)),
+            PendingItem::Gathering(work) => {
+                let parts = work.wait()?;
+                if rank == 0 {
+                    T::decode_all(&parts, device).map(Some)
+                } else {
+                    Ok(None)
+                }
+            }
+        }
     }
 }

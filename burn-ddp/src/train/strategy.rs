@@ -7,16 +7,17 @@ use std::sync::{Arc, Mutex};
 
 use burn::data::dataloader::Progress;
 use burn::optim::GradientsAccumulator;
+use burn::optim::lr_scheduler::module_lr_scheduler::ModuleLearningRate;
 use burn::tensor::Device;
 use burn::train::metric::store::EventStoreClient;
 use burn::train::{
-    CloneEarlyStoppingStrategy, EventProcessorTraining, InferenceStep, Interrupter, Learner,
-    LearnerEvent, LearnerModel, LearningCheckpointer, LearningResult, SupervisedLearningStrategy,
-    SupervisedTrainingEventProcessor, TrainLoader, TrainStep, TrainingComponents, TrainingItem,
-    ValidLoader,
+    CloneEarlyStoppingStrategy, EventProcessorError, EventProcessorTraining, InferenceStep,
+    Interrupter, Learner, LearnerEvent, LearnerModel, LearningCheckpointer, LearningResult,
+    SupervisedLearningStrategy, SupervisedTrainingEventProcessor, TrainLoader, TrainStep,
+    TrainingComponents, TrainingItem, ValidLoader,
 };
 
-use super::gather::GlobalItem;
+use super::gather::{GlobalItem, PendingItem};
 use super::reducer::GradientReducer;
 use super::sampler::DistributedSampler;
 use crate::ProcessGroup;
@@ -31,6 +32,18 @@ pub(crate) struct DdpStrategy {
     pub samplers: Vec<DistributedSampler>,
     pub failure: Arc<Mutex<Option<DdpError>>>,
 }
+
+/// A step's output on its way to rank 0's event processor.
+struct Report<T> {
+    item: PendingItem<T>,
+    progress: Progress,
+    iteration: usize,
+    lr: Option<ModuleLearningRate>,
+}
+
+/// Steps between checks of rank 0's stop request (an interruption or error on rank 0 takes
+/// effect within this many steps on every rank; each check is a small broadcast).
+const STOP_CHECK_INTERVAL: usize = 16;
 
 /// Scales a rank's progress to the whole job (all ranks process as many items).
 fn global(progress: Progress, world: usize) -> Progress {
@@ -76,6 +89,7 @@ impl DdpStrategy {
         let mut iteration = 0;
         let mut accumulator = GradientsAccumulator::new();
         let mut micro = 0;
+        let mut pending = None;
         while let Some(item) = iterator.next() {
             let item = match item {
                 Ok(item) => item,
@@ -104,19 +118,32 @@ impl DdpStrategy {
                 learner.lr_step();
                 learner.optimizer_step(grads);
             }
-            if let Some(global_item) = out.item.gather_to_rank0(&self.group)? {
-                let event = TrainingItem::new(
-                    global_item,
-                    global(progress, world),
-                    Some(iteration),
-                    Some(learner.lr_current()),
-                );
-                interrupter
-                    .fail_on_error(processor.process_train(LearnerEvent::ProcessedItem(event)));
+            let report = Report {
+                item: PendingItem::start(out.item, &self.group)?,
+                progress: global(progress, world),
+                iteration,
+                lr: Some(learner.lr_current()),
+            };
+            // The previous step's gather ran while this step computed.
+            if let Some(previous) = pending.replace(report) {
+                self.report(
+                    previous,
+                    &self.device,
+                    |i| processor.process_train(i),
+                    interrupter,
+                )?;
             }
-            if self.agree(interrupter.should_stop())? {
+            if iteration % STOP_CHECK_INTERVAL == 0 && self.agree(interrupter.should_stop())? {
                 break;
             }
+        }
+        if let Some(last) = pending {
+            self.report(
+                last,
+                &self.device,
+                |i| processor.process_train(i),
+                interrupter,
+            )?;
         }
         Ok(())
     }
@@ -134,8 +161,10 @@ impl DdpStrategy {
     {
         let world = self.group.world_size();
         let model = learner.model().valid();
+        let device = self.device.clone().inner();
         let mut iterator = loader.iter();
         let mut iteration = 0;
+        let mut pending = None;
         while let Some(item) = iterator.next() {
             let item = match item {
                 Ok(item) => item,
@@ -147,15 +176,41 @@ impl DdpStrategy {
             iteration += 1;
             let progress = iterator.progress();
             let out = InferenceStep::step(&model, item);
-            if let Some(global_item) = out.gather_to_rank0(&self.group)? {
-                let event =
-                    TrainingItem::new(global_item, global(progress, world), Some(iteration), None);
-                interrupter
-                    .fail_on_error(processor.process_valid(LearnerEvent::ProcessedItem(event)));
+            let report = Report {
+                item: PendingItem::start(out, &self.group)?,
+                progress: global(progress, world),
+                iteration,
+                lr: None,
+            };
+            if let Some(previous) = pending.replace(report) {
+                self.report(
+                    previous,
+                    &device,
+                    |i| processor.process_valid(i),
+                    interrupter,
+                )?;
             }
-            if self.agree(interrupter.should_stop())? {
+            if iteration % STOP_CHECK_INTERVAL == 0 && self.agree(interrupter.should_stop())? {
                 break;
             }
+        }
+        if let Some(last) = pending {
+            self.report(last, &device, |i| processor.process_valid(i), interrupter)?;
+        }
+        Ok(())
+    }
+
+    /// Completes a step's gather and, on rank 0, hands the global output to burn-train.
+    fn report<T: GlobalItem>(
+        &self,
+        report: Report<T>,
+        device: &Device,
+        process: impl FnOnce(LearnerEvent<T>) -> std::result::Result<(), EventProcessorError>,
+        interrupter: &Interrupter,
+    ) -> Result<()> {
+        if let Some(item) = report.item.finish(self.group.rank(), device)? {
+            let event = TrainingItem::new(item, report.progress, Some(report.iteration), report.lr);
+            interrupter.fail_on_error(process(LearnerEvent::ProcessedItem(event)));
         }
         Ok(())
     }

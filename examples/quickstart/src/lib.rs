@@ -19,7 +19,7 @@ use burn::train::{
     ClassificationOutput, InferenceStep, Learner, SupervisedTraining, TrainOutput, TrainStep,
 };
 use burn_ddp::ProcessGroup;
-use burn_ddp::train::{DdpLearner, DdpTraining, DistributedSampler};
+use burn_ddp::train::{DdpLearner, DdpTraining, DistributedSampler, QuietRenderer};
 
 /// Input features per sample.
 pub const FEATURES: usize = 16;
@@ -179,6 +179,8 @@ pub struct Config {
     /// Train with plain burn `Learner` instead of `DdpLearner` (world of one only; for
     /// measuring DdpLearner's overhead).
     pub plain: bool,
+    /// Render no progress (benchmarks).
+    pub quiet: bool,
 }
 
 impl Default for Config {
@@ -193,6 +195,7 @@ impl Default for Config {
             samples: 4096,
             artifacts: std::env::temp_dir().join("burn-ddp-quickstart"),
             plain: false,
+            quiet: false,
         }
     }
 }
@@ -204,6 +207,12 @@ pub struct Report {
     pub valid_accuracy: f64,
     /// The final parameters, flattened in visit order.
     pub params: Vec<f32>,
+    /// Wall time of training (all epochs, validation included), in seconds.
+    pub train_seconds: f64,
+    /// Optimizer steps taken.
+    pub steps: usize,
+    /// Training samples processed by all ranks together.
+    pub samples: usize,
 }
 
 /// Selects the device for `name` and this process's local rank.
@@ -251,12 +260,17 @@ pub fn run(group: Arc<ProcessGroup>, cfg: &Config) -> Result<Report> {
         .batch_size(cfg.batch_size)
         .build(valid_sampler.dataset(MyDataset::valid(cfg.samples / 4)));
 
-    let training = SupervisedTraining::new(&cfg.artifacts, train, valid)
+    let steps = cfg.epochs * train.num_items().div_ceil(cfg.batch_size);
+    let mut training = SupervisedTraining::new(&cfg.artifacts, train, valid)
         .metric_train_numeric(LossMetric::new())
         .metric_valid_numeric(LossMetric::new())
         .metric_train_numeric(AccuracyMetric::new())
         .metric_valid_numeric(AccuracyMetric::new())
         .num_epochs(cfg.epochs);
+    if cfg.quiet {
+        training = training.renderer(Box::new(QuietRenderer));
+    }
+    let start = std::time::Instant::now();
     let result = if cfg.plain {
         if group.world_size() != 1 {
             bail!("--plain trains with burn's own Learner, on one process only");
@@ -273,6 +287,7 @@ pub fn run(group: Arc<ProcessGroup>, cfg: &Config) -> Result<Report> {
             .launch_ddp(learner)
             .context("data-parallel training")?
     };
+    let train_seconds = start.elapsed().as_secs_f64();
     if let Some(e) = &result.error {
         bail!("training failed: {e}");
     }
@@ -289,5 +304,8 @@ pub fn run(group: Arc<ProcessGroup>, cfg: &Config) -> Result<Report> {
     Ok(Report {
         valid_accuracy: accuracy(&model, &device, cfg.samples / 4)?,
         params: burn_ddp::train::flat_parameters(&model),
+        train_seconds,
+        steps,
+        samples: steps * cfg.batch_size * group.world_size(),
     })
 }
