@@ -1,8 +1,8 @@
 //! Project tasks, run as `cargo xtask <task>`: thin wrappers that build a program and start its
 //! ranks through `burn_ddp::launch`.
 //!
-//! - `multi-cpu --nproc N [--example NAME] [-- ARGS]`: N CPU ranks of an example (default
-//!   `quickstart`).
+//! - `multi-cpu --nproc N [--example NAME] [--release] [-- ARGS]`: N CPU ranks of an example
+//!   binary (`quickstart`, the default; `digits`; `hello_ddp`).
 //! - `multi-gpu ...`: one rank per GPU (needs the NCCL backend, not in this build).
 //! - `bench-collectives [--world N] [--sizes 4K,64M,...] [--chunk 512K] [--spin-us 20]`: the
 //!   all-reduce benchmark on N rank processes (release build).
@@ -22,16 +22,12 @@ const USAGE: &str = "usage:
   cargo xtask bench-collectives [--world N] [--sizes 4K,64M,...] [--chunk 512K] [--spin-us 20] [--op sum|avg|max]
   cargo xtask bench-train [--epochs 3] [--repeats 3] [--batch-size 32]";
 
-/// Builds one target and returns the path of its executable, read from cargo's JSON messages.
-fn build(package: &str, target: &[&str], release: bool) -> Result<PathBuf> {
+/// Builds one target (`target`: cargo's selection flags) and returns the path of its
+/// executable, read from cargo's JSON messages.
+fn build(target: &[&str], release: bool) -> Result<PathBuf> {
     let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
     let mut cmd = Command::new(cargo);
-    cmd.args([
-        "build",
-        "--message-format=json-render-diagnostics",
-        "-p",
-        package,
-    ]);
+    cmd.args(["build", "--message-format=json-render-diagnostics"]);
     cmd.args(target);
     if release {
         cmd.arg("--release");
@@ -39,9 +35,9 @@ fn build(package: &str, target: &[&str], release: bool) -> Result<PathBuf> {
     let out = cmd
         .stderr(Stdio::inherit())
         .output()
-        .with_context(|| format!("running cargo build -p {package}"))?;
+        .with_context(|| format!("running cargo build {target:?}"))?;
     if !out.status.success() {
-        bail!("building {package} failed");
+        bail!("building {target:?} failed");
     }
     let mut exe = None;
     for line in String::from_utf8_lossy(&out.stdout).lines() {
@@ -52,7 +48,7 @@ fn build(package: &str, target: &[&str], release: bool) -> Result<PathBuf> {
             exe = Some(PathBuf::from(path));
         }
     }
-    exe.with_context(|| format!("cargo built no executable for {package} {target:?}"))
+    exe.with_context(|| format!("cargo built no executable for {target:?}"))
 }
 
 /// Splits `--flag value` options from the arguments after `--`.
@@ -122,7 +118,7 @@ fn multi_cpu(args: &[String]) -> Result<()> {
     opts.check(&["--nproc", "--nproc-per-node", "--example", "--release"])?;
     let nproc = opts.number(&["--nproc", "--nproc-per-node"], 2)?;
     let example = opts.get(&["--example"]).unwrap_or("quickstart");
-    let exe = build(example, &[], opts.has("--release"))?;
+    let exe = build(&["--bin", example], opts.has("--release"))?;
     let cfg = LaunchConfig::new(exe, nproc).args(opts.rest.clone());
     launch(&cfg).context("multi-cpu run failed")
 }
@@ -131,7 +127,7 @@ fn bench_collectives(args: &[String]) -> Result<()> {
     let opts = Opts::parse(args, &[])?;
     opts.check(&["--world", "--sizes", "--chunk", "--spin-us", "--op"])?;
     let world = opts.number(&["--world"], 2)?;
-    let exe = build("burn-ddp", &["--example", "bench_collectives"], true)?;
+    let exe = build(&["-p", "burn-ddp", "--example", "bench_collectives"], true)?;
     let mut forwarded = Vec::new();
     for name in ["--sizes", "--chunk", "--spin-us", "--op"] {
         if let Some(v) = opts.get(&[name]) {
@@ -168,7 +164,7 @@ fn bench_train(args: &[String]) -> Result<()> {
     let epochs = opts.number(&["--epochs"], 3)?;
     let repeats = opts.number(&["--repeats"], 3)?.max(1);
     let batch = opts.number(&["--batch-size"], 32)?;
-    let exe = build("quickstart", &[], true)?;
+    let exe = build(&["--bin", "quickstart"], true)?;
     let scratch = std::env::temp_dir().join(format!("burn-ddp-bench-train-{}", std::process::id()));
     std::fs::create_dir_all(&scratch)?;
     let run = |nproc: usize, plain: bool| -> Result<Timing> {

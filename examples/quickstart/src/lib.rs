@@ -41,8 +41,8 @@ fn unit(seed: u64) -> f32 {
 #[derive(Debug, Clone)]
 pub struct MyItem {
     /// Input features.
-    pub x: [f32; FEATURES],
-    /// Class in `0..CLASSES`.
+    pub x: Vec<f32>,
+    /// Class.
     pub y: usize,
 }
 
@@ -69,7 +69,7 @@ impl Dataset<MyItem> for MyDataset {
     fn get(&self, index: usize) -> Result<MyItem, DatasetError> {
         let key = (self.split << 32) ^ index as u64;
         let y = (splitmix(key) % CLASSES as u64) as usize;
-        let mut x = [0f32; FEATURES];
+        let mut x = vec![0f32; FEATURES];
         for (f, v) in x.iter_mut().enumerate() {
             let centre = unit(((y as u64) << 8) ^ f as u64 ^ 0xc0ffee) * 4.0 - 2.0;
             let noise = unit(key.wrapping_mul(31) ^ ((f as u64) << 48)) * 2.0 - 1.0;
@@ -80,6 +80,111 @@ impl Dataset<MyItem> for MyDataset {
 
     fn len(&self) -> usize {
         self.len
+    }
+}
+
+/// The UCI handwritten digits (1797 images of 8x8 pixels, CC BY 4.0; see `data/README.md`),
+/// read from scikit-learn's `digits.csv.gz`. Pixels are scaled to `0..=1`.
+#[derive(Debug, Clone)]
+pub struct Digits {
+    items: Arc<Vec<MyItem>>,
+}
+
+/// Pixels per digit image.
+pub const DIGIT_PIXELS: usize = 64;
+
+impl Digits {
+    /// The copy shipped with this example.
+    pub fn bundled_path() -> PathBuf {
+        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("data/digits.csv.gz")
+    }
+
+    /// Reads `digits.csv.gz` (64 pixel columns, then the digit).
+    pub fn load(path: &std::path::Path) -> Result<Self> {
+        use std::io::Read;
+        let file =
+            std::fs::File::open(path).with_context(|| format!("opening {}", path.display()))?;
+        let mut text = String::new();
+        flate2::read::GzDecoder::new(file)
+            .read_to_string(&mut text)
+            .with_context(|| format!("decompressing {}", path.display()))?;
+        let items = text
+            .lines()
+            .filter(|l| !l.trim().is_empty())
+            .enumerate()
+            .map(|(n, line)| {
+                let values: Vec<f32> = line
+                    .split(',')
+                    .map(|v| v.trim().parse::<f32>())
+                    .collect::<Result<_, _>>()
+                    .with_context(|| format!("{} line {}", path.display(), n + 1))?;
+                if values.len() != DIGIT_PIXELS + 1 {
+                    bail!(
+                        "{} line {}: {} columns, expected 65",
+                        path.display(),
+                        n + 1,
+                        values.len()
+                    );
+                }
+                Ok(MyItem {
+                    x: values[..DIGIT_PIXELS].iter().map(|p| p / 16.0).collect(),
+                    y: values[DIGIT_PIXELS] as usize,
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok(Digits {
+            items: Arc::new(items),
+        })
+    }
+
+    /// Every fifth image for validation, the rest for training.
+    pub fn split(&self) -> (Data, Data) {
+        let pick = |valid: bool| Data::Table {
+            items: self.items.clone(),
+            indices: (0..self.items.len())
+                .filter(|i| (i % 5 == 0) == valid)
+                .collect(),
+        };
+        (pick(false), pick(true))
+    }
+}
+
+/// A training or validation split of either data source.
+#[derive(Debug, Clone)]
+pub enum Data {
+    /// The synthetic [`MyDataset`].
+    Synthetic(MyDataset),
+    /// Rows of a table (the digits).
+    Table {
+        /// All rows.
+        items: Arc<Vec<MyItem>>,
+        /// The rows of this split.
+        indices: Vec<usize>,
+    },
+}
+
+impl Dataset<MyItem> for Data {
+    fn get(&self, index: usize) -> Result<MyItem, DatasetError> {
+        match self {
+            Data::Synthetic(d) => d.get(index),
+            Data::Table { items, indices } => indices
+                .get(index)
+                .and_then(|i| items.get(*i))
+                .cloned()
+                .ok_or_else(|| {
+                    DatasetError::new(std::io::Error::new(
+                        std::io::ErrorKind::InvalidInput,
+                        format!("index {index} out of range"),
+                    ))
+                }),
+        }
+    }
+
+    fn len(&self) -> usize {
+        match self {
+            Data::Synthetic(d) => d.len(),
+            Data::Table { indices, .. } => indices.len(),
+        }
     }
 }
 
@@ -98,11 +203,11 @@ pub struct MyBatcher;
 
 impl Batcher<MyItem, MyBatch> for MyBatcher {
     fn batch(&self, items: Vec<MyItem>, device: &Device) -> MyBatch {
-        let n = items.len();
-        let x: Vec<f32> = items.iter().flat_map(|i| i.x).collect();
+        let (n, features) = (items.len(), items.first().map_or(0, |i| i.x.len()));
+        let x: Vec<f32> = items.iter().flat_map(|i| i.x.iter().copied()).collect();
         let y: Vec<i64> = items.iter().map(|i| i.y as i64).collect();
         MyBatch {
-            inputs: Tensor::from_data(TensorData::new(x, [n, FEATURES]), device),
+            inputs: Tensor::from_data(TensorData::new(x, [n, features]), device),
             targets: Tensor::from_data(TensorData::new(y, [n]), device),
         }
     }
@@ -117,11 +222,11 @@ pub struct MyModel {
 }
 
 impl MyModel {
-    /// A freshly initialised model.
-    pub fn init(device: &Device) -> Self {
+    /// A freshly initialised model for `features` inputs and `classes` outputs.
+    pub fn init(device: &Device, features: usize, classes: usize) -> Self {
         MyModel {
-            hidden: LinearConfig::new(FEATURES, 64).init(device),
-            out: LinearConfig::new(64, CLASSES).init(device),
+            hidden: LinearConfig::new(features, 64).init(device),
+            out: LinearConfig::new(64, classes).init(device),
             act: Relu::new(),
         }
     }
@@ -157,7 +262,7 @@ impl InferenceStep for MyModel {
     }
 }
 
-/// Options of a quickstart run (the binary's flags).
+/// Options of a quickstart run (the binaries' flags).
 #[derive(Debug, Clone)]
 pub struct Config {
     /// Epochs.
@@ -172,8 +277,10 @@ pub struct Config {
     pub device: String,
     /// Where rank 0 writes the final parameters (safetensors).
     pub save_model: Option<PathBuf>,
-    /// Training samples.
+    /// Training samples of the synthetic set.
     pub samples: usize,
+    /// Train on the handwritten digits at this path instead of the synthetic set.
+    pub digits: Option<PathBuf>,
     /// Directory of burn-train's logs and checkpoints.
     pub artifacts: PathBuf,
     /// Train with plain burn `Learner` instead of `DdpLearner` (world of one only; for
@@ -181,6 +288,8 @@ pub struct Config {
     pub plain: bool,
     /// Render no progress (benchmarks).
     pub quiet: bool,
+    /// Where rank 0 writes timing and accuracy as `key=value` (benchmarks).
+    pub report: Option<PathBuf>,
 }
 
 impl Default for Config {
@@ -193,17 +302,45 @@ impl Default for Config {
             device: "cpu".into(),
             save_model: None,
             samples: 4096,
+            digits: None,
             artifacts: std::env::temp_dir().join("burn-ddp-quickstart"),
             plain: false,
             quiet: false,
+            report: None,
         }
+    }
+}
+
+impl Config {
+    /// Applies command-line flags (see the binaries' docs) on top of `self`.
+    pub fn parse_args(mut self, args: impl IntoIterator<Item = String>) -> Result<Self> {
+        let mut args = args.into_iter();
+        while let Some(flag) = args.next() {
+            let mut value = || args.next().with_context(|| format!("{flag} needs a value"));
+            match flag.as_str() {
+                "--epochs" => self.epochs = value()?.parse().context("--epochs")?,
+                "--batch-size" => self.batch_size = value()?.parse().context("--batch-size")?,
+                "--lr" => self.lr = value()?.parse().context("--lr")?,
+                "--seed" => self.seed = value()?.parse().context("--seed")?,
+                "--device" => self.device = value()?,
+                "--save-model" => self.save_model = Some(value()?.into()),
+                "--samples" => self.samples = value()?.parse().context("--samples")?,
+                "--digits" => self.digits = Some(value()?.into()),
+                "--artifacts" => self.artifacts = value()?.into(),
+                "--report" => self.report = Some(value()?.into()),
+                "--plain" => self.plain = true,
+                "--quiet" => self.quiet = true,
+                other => bail!("unknown flag {other}"),
+            }
+        }
+        Ok(self)
     }
 }
 
 /// What a run measured.
 #[derive(Debug, Clone)]
 pub struct Report {
-    /// Validation accuracy of the final model over the whole validation split, in percent.
+    /// Accuracy of the final model over the whole validation split, in percent.
     pub valid_accuracy: f64,
     /// The final parameters, flattened in visit order.
     pub params: Vec<f32>,
@@ -213,6 +350,31 @@ pub struct Report {
     pub steps: usize,
     /// Training samples processed by all ranks together.
     pub samples: usize,
+}
+
+impl Report {
+    /// Prints the summary and writes `--report` (rank 0 calls it).
+    pub fn publish(&self, cfg: &Config, world: usize) -> Result<()> {
+        println!(
+            "{} rank(s), {} epochs, batch {} per rank: validation accuracy {:.1}%",
+            world, cfg.epochs, cfg.batch_size, self.valid_accuracy
+        );
+        println!(
+            "{} optimizer steps in {:.2} s: {:.2} ms per step, {:.0} samples/s",
+            self.steps,
+            self.train_seconds,
+            self.train_seconds * 1e3 / self.steps as f64,
+            self.samples as f64 / self.train_seconds
+        );
+        if let Some(path) = &cfg.report {
+            let line = format!(
+                "steps={} seconds={} samples={} accuracy={}\n",
+                self.steps, self.train_seconds, self.samples, self.valid_accuracy
+            );
+            std::fs::write(path, line).with_context(|| format!("writing {}", path.display()))?;
+        }
+        Ok(())
+    }
 }
 
 /// Selects the device for `name` and this process's local rank.
@@ -227,38 +389,49 @@ pub fn device(name: &str, local_rank: usize) -> Result<Device> {
     }
 }
 
-/// Accuracy of `model` on the whole validation split (on every rank; used for the report).
-pub fn accuracy(model: &MyModel, device: &Device, samples: usize) -> Result<f64> {
-    let data = MyDataset::valid(samples);
+/// Accuracy of `model` on all of `data`, in percent.
+pub fn accuracy(model: &MyModel, device: &Device, data: &Data) -> Result<f64> {
     let items: Vec<MyItem> = (0..data.len())
         .map(|i| data.get(i))
         .collect::<Result<_, _>>()?;
-    let batch = MyBatcher.batch(items, device);
-    let out = InferenceStep::step(model, batch);
-    let predicted = out.output.argmax(1).reshape([samples]);
-    let correct: i64 = predicted
+    let n = items.len();
+    let out = InferenceStep::step(model, MyBatcher.batch(items, device));
+    let predicted = out.output.argmax(1).reshape([n]);
+    let correct = predicted
         .equal(out.targets)
         .int()
         .sum()
         .into_scalar::<i64>();
-    Ok(correct as f64 * 100.0 / samples as f64)
+    Ok(correct as f64 * 100.0 / n.max(1) as f64)
 }
 
-/// Trains the quickstart in `group` (a world of one or many ranks).
+/// Trains in `group` (a world of one or many ranks) on the configured data.
 pub fn run(group: Arc<ProcessGroup>, cfg: &Config) -> Result<Report> {
     let device = device(&cfg.device, group.local_rank())?;
+    let (train_data, valid_data, features, classes) = match &cfg.digits {
+        None => (
+            Data::Synthetic(MyDataset::train(cfg.samples)),
+            Data::Synthetic(MyDataset::valid(cfg.samples / 4)),
+            FEATURES,
+            CLASSES,
+        ),
+        Some(path) => {
+            let (train, valid) = Digits::load(path)?.split();
+            (train, valid, DIGIT_PIXELS, 10)
+        }
+    };
     device.seed(cfg.seed);
     // Parameters are initialised lazily; materialise them while the seed still decides.
-    let model = MyModel::init(&device).materialize();
+    let model = MyModel::init(&device, features, classes).materialize();
 
     let sampler = DistributedSampler::for_group(&group).seed(cfg.seed);
     let valid_sampler = DistributedSampler::for_group(&group).shuffle(false);
     let train = DataLoaderBuilder::new(MyBatcher)
         .batch_size(cfg.batch_size)
-        .build(sampler.dataset(MyDataset::train(cfg.samples)));
+        .build(sampler.dataset(train_data));
     let valid = DataLoaderBuilder::new(MyBatcher)
         .batch_size(cfg.batch_size)
-        .build(valid_sampler.dataset(MyDataset::valid(cfg.samples / 4)));
+        .build(valid_sampler.dataset(valid_data.clone()));
 
     let steps = cfg.epochs * train.num_items().div_ceil(cfg.batch_size);
     let mut training = SupervisedTraining::new(&cfg.artifacts, train, valid)
@@ -282,7 +455,8 @@ pub fn run(group: Arc<ProcessGroup>, cfg: &Config) -> Result<Report> {
             .setting("batch_size", cfg.batch_size)
             .setting("lr", cfg.lr)
             .setting("seed", cfg.seed)
-            .setting("epochs", cfg.epochs);
+            .setting("epochs", cfg.epochs)
+            .setting("data", format!("{:?}", cfg.digits));
         training
             .launch_ddp(learner)
             .context("data-parallel training")?
@@ -302,10 +476,54 @@ pub fn run(group: Arc<ProcessGroup>, cfg: &Config) -> Result<Report> {
             .with_context(|| format!("saving the model to {}", path.display()))?;
     }
     Ok(Report {
-        valid_accuracy: accuracy(&model, &device, cfg.samples / 4)?,
+        valid_accuracy: accuracy(&model, &device.clone().inner(), &valid_data)?,
         params: burn_ddp::train::flat_parameters(&model),
         train_seconds,
         steps,
         samples: steps * cfg.batch_size * group.world_size(),
     })
+}
+
+/// Entry point of the binaries: forms the group from the environment, trains, and has rank 0
+/// print the summary.
+pub fn main_with(defaults: Config) -> Result<()> {
+    let cfg = defaults.parse_args(std::env::args().skip(1))?;
+    let group = Arc::new(burn_ddp::init_process_group().context("forming the process group")?);
+    let report = run(group.clone(), &cfg)?;
+    if group.rank() == 0 {
+        report.publish(&cfg, group.world_size())?;
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn bundled_digits_load_and_split() {
+        let digits = Digits::load(&Digits::bundled_path()).unwrap();
+        let (train, valid) = digits.split();
+        assert_eq!((train.len(), valid.len()), (1437, 360));
+        let item = valid.get(0).unwrap();
+        assert_eq!(item.x.len(), DIGIT_PIXELS);
+        assert_eq!(item.y, 0, "the first image of the file is a zero");
+        let classes: std::collections::BTreeSet<usize> =
+            (0..train.len()).map(|i| train.get(i).unwrap().y).collect();
+        assert_eq!(classes.len(), 10);
+        assert!(item.x.iter().all(|p| (0.0..=1.0).contains(p)));
+    }
+
+    #[test]
+    fn flags_override_defaults_and_unknown_ones_are_refused() {
+        let args = ["--epochs", "3", "--batch-size", "8", "--quiet"].map(String::from);
+        let cfg = Config::default().parse_args(args).unwrap();
+        assert_eq!((cfg.epochs, cfg.batch_size, cfg.quiet), (3, 8, true));
+        assert!(
+            Config::default()
+                .parse_args(["--bogus".to_string()])
+                .is_err()
+        );
+        assert!(Config::default().parse_args(["--lr".to_string()]).is_err());
+    }
 }
