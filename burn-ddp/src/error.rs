@@ -111,6 +111,14 @@ pub enum DdpError {
     /// Ranks disagree on something that must be the same everywhere (model layout, settings).
     #[error("ranks disagree: {0}")]
     Disagreement(String),
+    /// A rank's data loader failed; training stops on every rank.
+    #[error("rank {rank}: loading a batch failed: {reason}")]
+    Data {
+        /// Rank whose loader failed.
+        rank: usize,
+        /// The loader's error.
+        reason: String,
+    },
     /// A tensor could not be converted (for example a gradient of an unexpected type).
     #[error("tensor conversion failed: {0}")]
     Tensor(String),

@@ -20,12 +20,35 @@ pub trait GlobalItem: Sized {
     fn decode_all(parts: &[Vec<u8>], device: &Device) -> Result<Self>;
 }
 
-fn put_float<const D: usize>(w: &mut Writer, t: Tensor<D>) {
-    put(w, t.into_data().convert::<f32>())
+/// A tensor field of an output: encoded with its shape, concatenated along dimension 0.
+trait Field: Sized {
+    fn put(self, w: &mut Writer);
+    fn get(r: &mut Reader<'_>, device: &Device) -> std::result::Result<Self, String>;
+    fn cat(parts: Vec<Self>) -> Self;
 }
 
-fn put_int<const D: usize>(w: &mut Writer, t: Tensor<D, Int>) {
-    put(w, t.into_data().convert::<i64>())
+impl<const D: usize> Field for Tensor<D> {
+    fn put(self, w: &mut Writer) {
+        put(w, self.into_data().convert::<f32>())
+    }
+    fn get(r: &mut Reader<'_>, device: &Device) -> std::result::Result<Self, String> {
+        Ok(Tensor::from_data(get::<f32>(r)?, device))
+    }
+    fn cat(parts: Vec<Self>) -> Self {
+        Tensor::cat(parts, 0)
+    }
+}
+
+impl<const D: usize> Field for Tensor<D, Int> {
+    fn put(self, w: &mut Writer) {
+        put(w, self.into_data().convert::<i64>())
+    }
+    fn get(r: &mut Reader<'_>, device: &Device) -> std::result::Result<Self, String> {
+        Ok(Tensor::from_data(get::<i64>(r)?, device))
+    }
+    fn cat(parts: Vec<Self>) -> Self {
+        Tensor::cat(parts, 0)
+    }
 }
 
 fn put(w: &mut Writer, data: TensorData) {
@@ -56,87 +79,62 @@ fn get<E: burn::tensor::Element + bytemuck::Pod>(
     Ok(TensorData::new(values, dims))
 }
 
-fn float<const D: usize>(
-    r: &mut Reader<'_>,
-    device: &Device,
-) -> std::result::Result<Tensor<D>, String> {
-    Ok(Tensor::from_data(get::<f32>(r)?, device))
+/// Encodes the three fields of a burn-train output (loss, output, targets).
+fn encode3<A: Field, B: Field, C: Field>(a: A, b: B, c: C) -> Vec<u8> {
+    let mut w = Writer::default();
+    a.put(&mut w);
+    b.put(&mut w);
+    c.put(&mut w);
+    w.buf
 }
 
-fn int<const D: usize>(
-    r: &mut Reader<'_>,
-    device: &Device,
-) -> std::result::Result<Tensor<D, Int>, String> {
-    Ok(Tensor::from_data(get::<i64>(r)?, device))
-}
-
-/// Decodes each rank's bytes with `decode` and concatenates the parts field by field.
-fn decode_each<T>(
-    parts: &[Vec<u8>],
-    decode: impl Fn(&mut Reader<'_>) -> std::result::Result<T, String>,
-) -> Result<Vec<T>> {
-    parts
-        .iter()
-        .enumerate()
-        .map(|(rank, bytes)| {
-            let mut r = Reader::new(bytes);
-            decode(&mut r)
-                .and_then(|t| r.finish().map(|()| t))
-                .map_err(|e| DdpError::Tensor(format!("metrics item from rank {rank}: {e}")))
-        })
-        .collect()
+/// Decodes every rank's three fields and concatenates each across ranks.
+fn decode3<A: Field, B: Field, C: Field>(parts: &[Vec<u8>], device: &Device) -> Result<(A, B, C)> {
+    let (mut xs, mut ys, mut zs) = (Vec::new(), Vec::new(), Vec::new());
+    for (rank, bytes) in parts.iter().enumerate() {
+        let mut r = Reader::new(bytes);
+        let fields = (|| {
+            let fields = (
+                A::get(&mut r, device)?,
+                B::get(&mut r, device)?,
+                C::get(&mut r, device)?,
+            );
+            r.finish().map(|()| fields)
+        })()
+        .map_err(|e| DdpError::Tensor(format!("metrics item from rank {rank}: {e}")))?;
+        xs.push(fields.0);
+        ys.push(fields.1);
+        zs.push(fields.2);
+    }
+    Ok((A::cat(xs), B::cat(ys), C::cat(zs)))
 }
 
 impl GlobalItem for ClassificationOutput {
     fn encode(self) -> Result<Vec<u8>> {
-        let mut w = Writer::default();
-        put_float(&mut w, self.loss);
-        put_float(&mut w, self.output);
-        put_int(&mut w, self.targets);
-        Ok(w.buf)
+        Ok(encode3(self.loss, self.output, self.targets))
     }
 
     fn decode_all(parts: &[Vec<u8>], device: &Device) -> Result<Self> {
-        let items = decode_each(parts, |r| {
-            Ok((
-                float::<1>(r, device)?,
-                float::<2>(r, device)?,
-                int::<1>(r, device)?,
-            ))
-        })?;
-        let (loss, (output, targets)): (Vec<_>, (Vec<_>, Vec<_>)) =
-            items.into_iter().map(|(l, o, t)| (l, (o, t))).unzip();
+        let (loss, output, targets) = decode3(parts, device)?;
         Ok(ClassificationOutput {
-            loss: Tensor::cat(loss, 0),
-            output: Tensor::cat(output, 0),
-            targets: Tensor::cat(targets, 0),
+            loss,
+            output,
+            targets,
         })
     }
 }
 
 impl GlobalItem for RegressionOutput {
     fn encode(self) -> Result<Vec<u8>> {
-        let mut w = Writer::default();
-        put_float(&mut w, self.loss);
-        put_float(&mut w, self.output);
-        put_float(&mut w, self.targets);
-        Ok(w.buf)
+        Ok(encode3(self.loss, self.output, self.targets))
     }
 
     fn decode_all(parts: &[Vec<u8>], device: &Device) -> Result<Self> {
-        let items = decode_each(parts, |r| {
-            Ok((
-                float::<1>(r, device)?,
-                float::<2>(r, device)?,
-                float::<2>(r, device)?,
-            ))
-        })?;
-        let (loss, (output, targets)): (Vec<_>, (Vec<_>, Vec<_>)) =
-            items.into_iter().map(|(l, o, t)| (l, (o, t))).unzip();
+        let (loss, output, targets) = decode3(parts, device)?;
         Ok(RegressionOutput {
-            loss: Tensor::cat(loss, 0),
-            output: Tensor::cat(output, 0),
-            targets: Tensor::cat(targets, 0),
+            loss,
+            output,
+            targets,
         })
     }
 }

@@ -5,7 +5,7 @@
 
 use std::sync::{Arc, Mutex};
 
-use burn::data::dataloader::Progress;
+use burn::data::dataloader::{DataLoader, Progress};
 use burn::optim::GradientsAccumulator;
 use burn::optim::lr_scheduler::module_lr_scheduler::ModuleLearningRate;
 use burn::tensor::Device;
@@ -72,6 +72,49 @@ impl DdpStrategy {
         Ok(self.group.broadcast(vec![flag as u8], 0).wait()?[0] != 0)
     }
 
+    /// Runs one split: `step` turns a batch into its output (and the learning rate used); each
+    /// output is gathered to rank 0 while the next step computes, then handed to `process`.
+    fn run_split<I, T: GlobalItem>(
+        &self,
+        loader: &Arc<dyn DataLoader<I>>,
+        device: &Device,
+        mut step: impl FnMut(I, &Progress) -> Result<(T, Option<ModuleLearningRate>)>,
+        mut process: impl FnMut(LearnerEvent<T>) -> std::result::Result<(), EventProcessorError>,
+        interrupter: &Interrupter,
+    ) -> Result<()> {
+        let world = self.group.world_size();
+        let mut iterator = loader.iter();
+        let mut iteration = 0;
+        let mut pending: Option<Report<T>> = None;
+        while let Some(item) = iterator.next() {
+            // A rank cannot skip a batch alone: its error ends training here, and the other
+            // ranks learn of it from the collectives.
+            let item = item.map_err(|e| DdpError::Data {
+                rank: self.group.rank(),
+                reason: e.to_string(),
+            })?;
+            iteration += 1;
+            let progress = iterator.progress();
+            let (output, lr) = step(item, &progress)?;
+            let report = Report {
+                item: PendingItem::start(output, &self.group)?,
+                progress: global(progress, world),
+                iteration,
+                lr,
+            };
+            if let Some(previous) = pending.replace(report) {
+                self.report(previous, device, &mut process, interrupter)?;
+            }
+            if iteration % STOP_CHECK_INTERVAL == 0 && self.agree(interrupter.should_stop())? {
+                break;
+            }
+        }
+        if let Some(last) = pending {
+            self.report(last, device, &mut process, interrupter)?;
+        }
+        Ok(())
+    }
+
     fn train_epoch<M>(
         &self,
         learner: &mut Learner<M>,
@@ -84,22 +127,9 @@ impl DdpStrategy {
         M: LearnerModel,
         <M as TrainStep>::Output: GlobalItem,
     {
-        let world = self.group.world_size();
-        let mut iterator = loader.iter();
-        let mut iteration = 0;
         let mut accumulator = GradientsAccumulator::new();
         let mut micro = 0;
-        let mut pending = None;
-        while let Some(item) = iterator.next() {
-            let item = match item {
-                Ok(item) => item,
-                Err(err) => {
-                    interrupter.fail(err);
-                    break;
-                }
-            };
-            iteration += 1;
-            let progress = iterator.progress();
+        let step = |item, progress: &Progress| {
             let out = learner.train_step(item);
             let grads = match accumulation {
                 Some(k) => {
@@ -118,34 +148,10 @@ impl DdpStrategy {
                 learner.lr_step();
                 learner.optimizer_step(grads);
             }
-            let report = Report {
-                item: PendingItem::start(out.item, &self.group)?,
-                progress: global(progress, world),
-                iteration,
-                lr: Some(learner.lr_current()),
-            };
-            // The previous step's gather ran while this step computed.
-            if let Some(previous) = pending.replace(report) {
-                self.report(
-                    previous,
-                    &self.device,
-                    |i| processor.process_train(i),
-                    interrupter,
-                )?;
-            }
-            if iteration % STOP_CHECK_INTERVAL == 0 && self.agree(interrupter.should_stop())? {
-                break;
-            }
-        }
-        if let Some(last) = pending {
-            self.report(
-                last,
-                &self.device,
-                |i| processor.process_train(i),
-                interrupter,
-            )?;
-        }
-        Ok(())
+            Ok((out.item, Some(learner.lr_current())))
+        };
+        let process = |event| processor.process_train(event);
+        self.run_split(loader, &self.device, step, process, interrupter)
     }
 
     fn valid_epoch<M>(
@@ -159,45 +165,16 @@ impl DdpStrategy {
         M: LearnerModel,
         <M as InferenceStep>::Output: GlobalItem,
     {
-        let world = self.group.world_size();
         let model = learner.model().valid();
-        let device = self.device.clone().inner();
-        let mut iterator = loader.iter();
-        let mut iteration = 0;
-        let mut pending = None;
-        while let Some(item) = iterator.next() {
-            let item = match item {
-                Ok(item) => item,
-                Err(err) => {
-                    interrupter.fail(err);
-                    break;
-                }
-            };
-            iteration += 1;
-            let progress = iterator.progress();
-            let out = InferenceStep::step(&model, item);
-            let report = Report {
-                item: PendingItem::start(out, &self.group)?,
-                progress: global(progress, world),
-                iteration,
-                lr: None,
-            };
-            if let Some(previous) = pending.replace(report) {
-                self.report(
-                    previous,
-                    &device,
-                    |i| processor.process_valid(i),
-                    interrupter,
-                )?;
-            }
-            if iteration % STOP_CHECK_INTERVAL == 0 && self.agree(interrupter.should_stop())? {
-                break;
-            }
-        }
-        if let Some(last) = pending {
-            self.report(last, &device, |i| processor.process_valid(i), interrupter)?;
-        }
-        Ok(())
+        let step = |item, _: &Progress| Ok((InferenceStep::step(&model, item), None));
+        let process = |event| processor.process_valid(event);
+        self.run_split(
+            loader,
+            &self.device.clone().inner(),
+            step,
+            process,
+            interrupter,
+        )
     }
 
     /// Completes a step's gather and, on rank 0, hands the global output to burn-train.
@@ -205,7 +182,7 @@ impl DdpStrategy {
         &self,
         report: Report<T>,
         device: &Device,
-        process: impl FnOnce(LearnerEvent<T>) -> std::result::Result<(), EventProcessorError>,
+        process: &mut impl FnMut(LearnerEvent<T>) -> std::result::Result<(), EventProcessorError>,
         interrupter: &Interrupter,
     ) -> Result<()> {
         if let Some(item) = report.item.finish(self.group.rank(), device)? {
