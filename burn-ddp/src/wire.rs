@@ -165,6 +165,17 @@ pub(crate) fn read_frame(r: &mut impl Read, max_len: usize) -> Result<Vec<u8>, F
 mod tests {
     use super::*;
 
+    proptest::proptest! {
+        /// Arbitrary input gives a frame within the limit or an error.
+        #[test]
+        fn arbitrary_streams_give_bounded_frames_or_errors(input in proptest::collection::vec(0u8.., 0..300)) {
+            let mut r: &[u8] = &input;
+            if let Ok(body) = read_frame(&mut r, 64) {
+                proptest::prop_assert!(body.len() <= 64);
+            }
+        }
+    }
+
     #[test]
     fn absurd_length_is_refused_before_allocating() {
         let mut input: &[u8] = &[0xff, 0xff, 0xff, 0xff, 1, 2, 3];

@@ -229,6 +229,21 @@ mod tests {
         }
     }
 
+    proptest::proptest! {
+        /// Garbage never panics the decoder; valid requests survive a round trip.
+        #[test]
+        fn decoding_arbitrary_bytes_never_panics(body in proptest::collection::vec(0u8.., 0..512)) {
+            let _ = Request::decode(&body);
+            let _ = Response::decode(&body);
+        }
+
+        #[test]
+        fn set_requests_round_trip(key in "[a-z/0-9]{0,64}", value in proptest::collection::vec(0u8.., 0..256)) {
+            let req = Request::Set { key, value };
+            proptest::prop_assert_eq!(Request::decode(&req.encode()).unwrap(), req);
+        }
+    }
+
     #[test]
     fn absurd_key_count_does_not_allocate() {
         let mut w = Writer::default();

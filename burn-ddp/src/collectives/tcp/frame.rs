@@ -115,6 +115,19 @@ impl Header {
 mod tests {
     use super::*;
 
+    proptest::proptest! {
+        /// Any 32 bytes decode to a header or an error, never a panic; a header that decodes
+        /// re-encodes to the same bytes (so nothing is silently ignored but the padding byte).
+        #[test]
+        fn arbitrary_headers_never_panic(bytes in proptest::array::uniform32(0u8..)) {
+            if let Ok(h) = Header::decode(&bytes) {
+                let mut again = h.encode();
+                again[7] = bytes[7];
+                proptest::prop_assert_eq!(again, bytes);
+            }
+        }
+    }
+
     #[test]
     fn header_round_trips_and_garbage_is_refused() {
         let op = OpDesc {
