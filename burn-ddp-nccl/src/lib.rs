@@ -1,7 +1,26 @@
 //! # burn-ddp-nccl
 //!
-//! The NCCL backend of burn-ddp (not implemented yet; see the NCCL issue). It will implement the
-//! collectives of [`burn_ddp::ProcessGroup`] with NCCL on burn-cuda buffers: one communicator
-//! per process group, device = local rank, the NCCL unique id created on rank 0 and passed to
-//! the other ranks through the group's [`burn_ddp::store::Store`]. Until then, CUDA devices are
-//! not supported and burn-ddp's TCP transport serves CPU training.
+//! The NCCL backend of burn-ddp: gradients all-reduced across GPUs and nodes in place on
+//! burn-cuda's CubeCL buffers, with no host round trip.
+//!
+//! - [`library`]: finds libcuda and libnccl before anything loads them (cudarc's loader panics
+//!   on a missing library); a missing library is an [`NcclError`] saying what was looked for and
+//!   how to fix it. Always compiled.
+//! - With the `cuda` feature: [`NcclComm`], one communicator per process group on the rank's
+//!   GPU, joined with the 128-byte id rank 0 creates ([`unique_id`]) and passes through
+//!   burn-ddp's store; its `unsafe` calls live in one module with their safety argument.
+//!
+//! Status: the communicator is built and unit-tested without a GPU here; it has not yet run on a
+//! GPU, and `DdpLearner` does not select it yet (CPU training uses burn-ddp's TCP transport).
+
+mod error;
+pub mod library;
+
+#[cfg(feature = "cuda")]
+mod comm;
+#[cfg(feature = "cuda")]
+mod ffi;
+
+#[cfg(feature = "cuda")]
+pub use comm::{NcclComm, Reduction, check_libraries, unique_id};
+pub use error::NcclError;
