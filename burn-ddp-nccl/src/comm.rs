@@ -29,6 +29,17 @@ pub enum Reduction {
     Max,
 }
 
+/// Whether `device` is served by burn's CUDA backend (the NCCL path's devices).
+pub fn is_cuda(device: &burn::tensor::Device) -> bool {
+    // Without libcuda no device can be CUDA, and touching one would panic in the loader.
+    if !ffi::libraries_present().0 {
+        return false;
+    }
+    Tensor::<1>::zeros([1], &device.clone().inner())
+        .try_into_primitive::<Cuda>()
+        .is_ok()
+}
+
 /// Checks that libcuda and libnccl can be loaded, so that nothing later panics in a loader.
 pub fn check_libraries() -> Result<(), NcclError> {
     match ffi::libraries_present() {

@@ -105,7 +105,7 @@ impl<M: LearnerModel> DdpLearner<M> {
         let model = self.model.fork(&device);
         check_agreement(&self.group, &layout(&model), &self.settings)?;
         let model = broadcast_module(model, &self.group)?;
-        let reducer = GradientReducer::new(&model, self.group.clone(), self.buckets);
+        let reducer = GradientReducer::new(&model, self.group.clone(), self.buckets)?;
         let strategy = DdpStrategy {
             group: self.group,
             device,

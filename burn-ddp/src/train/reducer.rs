@@ -27,6 +27,7 @@ use crate::error::{DdpError, Result};
 /// Averages gradients across the ranks of a group, bucket by bucket.
 pub struct GradientReducer {
     group: Arc<ProcessGroup>,
+    transport: Transport,
     /// Trainable parameters in visit order (bucket plan indices refer to this list).
     params: Vec<ParamInfo>,
     plan: BucketPlan,
@@ -74,8 +75,13 @@ impl ModuleVisitor for Give<'_> {
 }
 
 impl GradientReducer {
-    /// Plans the buckets of `model`'s trainable parameters.
-    pub fn new<M: Module>(model: &M, group: Arc<ProcessGroup>, config: BucketConfig) -> Self {
+    /// Plans the buckets of `model`'s trainable parameters and picks the transport: NCCL for a
+    /// model on a CUDA device (feature `nccl`), the group's TCP collectives otherwise.
+    pub fn new<M: Module>(
+        model: &M,
+        group: Arc<ProcessGroup>,
+        config: BucketConfig,
+    ) -> Result<Self> {
         let params: Vec<ParamInfo> = layout(model).into_iter().filter(|p| p.trainable).collect();
         let sizes: Vec<usize> = params.iter().map(ParamInfo::numel).collect();
         let plan = BucketPlan::new(&sizes, 4, &config);
@@ -85,11 +91,18 @@ impl GradientReducer {
             params.len(),
             plan.buckets.len()
         );
-        GradientReducer {
+        let device = model.devices().first().cloned().unwrap_or_default();
+        let transport = if group.world_size() == 1 {
+            Transport::Tcp
+        } else {
+            transport(&group, &device)?
+        };
+        Ok(GradientReducer {
             group,
+            transport,
             params,
             plan,
-        }
+        })
     }
 
     /// The bucket plan.
@@ -130,17 +143,15 @@ impl GradientReducer {
         };
 
         let mut reduced: Vec<Option<Tensor<1>>> = vec![None; flat.len()];
-        let mut in_flight: Option<(usize, Work<Vec<f32>>)> = None;
+        let mut in_flight: Option<(usize, InFlight)> = None;
         for b in 0..self.plan.buckets.len() {
-            let work = self
-                .group
-                .all_reduce(self.pack(b, &mut flat, &device)?, ReduceOp::Avg);
-            if let Some((prev, w)) = in_flight.replace((b, work)) {
-                self.unpack(prev, w.wait()?, &device, &mut reduced);
+            let started = self.start(self.pack(b, &mut flat, &device))?;
+            if let Some((prev, f)) = in_flight.replace((b, started)) {
+                self.unpack(prev, f.finish(&device)?, &mut reduced)?;
             }
         }
-        if let Some((last, w)) = in_flight {
-            self.unpack(last, w.wait()?, &device, &mut reduced);
+        if let Some((last, f)) = in_flight {
+            self.unpack(last, f.finish(&device)?, &mut reduced)?;
         }
         model.visit(&mut Give {
             grads: &mut grads,
@@ -149,17 +160,17 @@ impl GradientReducer {
         Ok(grads)
     }
 
-    /// One contiguous tensor of bucket `b`'s gradients (zeros where missing), on the device,
-    /// then its values for the transport, followed by one presence flag per parameter.
-    fn pack(&self, b: usize, flat: &mut [Option<Tensor<1>>], device: &Device) -> Result<Vec<f32>> {
+    /// One contiguous tensor on the device: bucket `b`'s gradients (zeros where missing), then
+    /// one presence flag per parameter.
+    fn pack(&self, b: usize, flat: &mut [Option<Tensor<1>>], device: &Device) -> Tensor<1> {
         let bucket = &self.plan.buckets[b];
         let mut presence = Vec::with_capacity(bucket.params.len());
-        let parts: Vec<Tensor<1>> = bucket
+        let mut parts: Vec<Tensor<1>> = bucket
             .params
             .iter()
             .map(|&p| match flat[p].take() {
                 Some(g) => {
-                    presence.push(1.0);
+                    presence.push(1.0f32);
                     g
                 }
                 None => {
@@ -168,30 +179,137 @@ impl GradientReducer {
                 }
             })
             .collect();
-        let packed = Tensor::cat(parts, 0);
-        let mut values = packed
+        let n = presence.len();
+        parts.push(Tensor::from_data(TensorData::new(presence, [n]), device));
+        Tensor::cat(parts, 0)
+    }
+
+    /// Starts averaging a packed bucket across the ranks.
+    fn start(&self, packed: Tensor<1>) -> Result<InFlight> {
+        match &self.transport {
+            Transport::Tcp => {
+                let values = packed
+                    .into_data()
+                    .convert::<f32>()
+                    .try_into_vec::<f32>()
+                    .map_err(|e| DdpError::Tensor(format!("{e:?}")))?;
+                Ok(InFlight::Tcp(self.group.all_reduce(values, ReduceOp::Avg)))
+            }
+            #[cfg(feature = "nccl")]
+            Transport::Nccl(comm) => comm
+                .all_reduce(packed, burn_ddp_nccl::Reduction::Avg)
+                .map(|t| InFlight::Done(Box::new(t)))
+                .map_err(|e| DdpError::Collective {
+                    rank: self.group.rank(),
+                    op: "NCCL all_reduce of a gradient bucket".into(),
+                    cause: e.to_string(),
+                }),
+        }
+    }
+
+    fn unpack(&self, b: usize, packed: Tensor<1>, out: &mut [Option<Tensor<1>>]) -> Result<()> {
+        let bucket = &self.plan.buckets[b];
+        let n = bucket.params.len();
+        let presence = packed
+            .clone()
+            .narrow(0, bucket.len, n)
             .into_data()
             .convert::<f32>()
             .try_into_vec::<f32>()
             .map_err(|e| DdpError::Tensor(format!("{e:?}")))?;
-        values.extend_from_slice(&presence);
-        Ok(values)
-    }
-
-    fn unpack(
-        &self,
-        b: usize,
-        mut values: Vec<f32>,
-        device: &Device,
-        out: &mut [Option<Tensor<1>>],
-    ) {
-        let bucket = &self.plan.buckets[b];
-        let presence = values.split_off(bucket.len);
-        let packed = Tensor::<1>::from_data(TensorData::new(values, [bucket.len]), device);
         for (k, (&p, &offset)) in bucket.params.iter().zip(&bucket.offsets).enumerate() {
             if presence[k] > 0.0 {
                 out[p] = Some(packed.clone().narrow(0, offset, self.params[p].numel()));
             }
         }
+        Ok(())
     }
+}
+
+/// How buckets travel: TCP through the process group (CPU devices), or NCCL on the GPU.
+enum Transport {
+    Tcp,
+    #[cfg(feature = "nccl")]
+    Nccl(burn_ddp_nccl::NcclComm),
+}
+
+/// A bucket's reduction in progress.
+enum InFlight {
+    /// On the group's collective thread; comes back as host values.
+    Tcp(Work<Vec<f32>>),
+    /// Already reduced on the device (NCCL waits for its stream).
+    #[cfg(feature = "nccl")]
+    Done(Box<Tensor<1>>),
+}
+
+impl InFlight {
+    fn finish(self, device: &Device) -> Result<Tensor<1>> {
+        match self {
+            InFlight::Tcp(work) => {
+                let values = work.wait()?;
+                let n = values.len();
+                Ok(Tensor::from_data(TensorData::new(values, [n]), device))
+            }
+            #[cfg(feature = "nccl")]
+            InFlight::Done(t) => Ok(*t),
+        }
+    }
+}
+
+/// Picks NCCL for CUDA devices (feature `nccl`), TCP otherwise.
+#[cfg(feature = "nccl")]
+fn transport(group: &ProcessGroup, device: &Device) -> Result<Transport> {
+    if !burn_ddp_nccl::is_cuda(device) {
+        return Ok(Transport::Tcp);
+    }
+    // Rank 0 creates the NCCL id; the others read it from the store.
+    const KEY: &str = "bddp/nccl/id";
+    let id: [u8; 128] = if group.rank() == 0 {
+        let id = burn_ddp_nccl::unique_id(0).map_err(nccl_error(group, "creating the NCCL id"))?;
+        group.store().set(KEY, &id)?;
+        id
+    } else {
+        let bytes = group.store().get(KEY)?;
+        bytes
+            .as_slice()
+            .try_into()
+            .map_err(|_| DdpError::Rendezvous {
+                rank: group.rank(),
+                reason: format!(
+                    "the NCCL id in the store has {} bytes, not 128",
+                    bytes.len()
+                ),
+            })?
+    };
+    let comm = burn_ddp_nccl::NcclComm::new(
+        group.rank(),
+        group.world_size(),
+        group.local_rank(),
+        &id,
+        group.options().timeout,
+    )
+    .map_err(nccl_error(group, "joining the NCCL communicator"))?;
+    log::info!(
+        "rank {}: gradients travel by NCCL on GPU {}",
+        group.rank(),
+        group.local_rank()
+    );
+    Ok(Transport::Nccl(comm))
+}
+
+#[cfg(feature = "nccl")]
+fn nccl_error(
+    group: &ProcessGroup,
+    what: &'static str,
+) -> impl Fn(burn_ddp_nccl::NcclError) -> DdpError {
+    let rank = group.rank();
+    move |e| DdpError::Rendezvous {
+        rank,
+        reason: format!("{what}: {e}"),
+    }
+}
+
+#[cfg(not(feature = "nccl"))]
+fn transport(_group: &ProcessGroup, _device: &Device) -> Result<Transport> {
+    Ok(Transport::Tcp)
 }

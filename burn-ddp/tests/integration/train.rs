@@ -324,7 +324,7 @@ fn ranks_hold_identical_parameters_after_every_step() {
         let group = Arc::new(group);
         let model = models.lock().unwrap()[rank].take().unwrap();
         let mut model = broadcast_module(model, &group).unwrap();
-        let reducer = GradientReducer::new(&model, group.clone(), small_buckets());
+        let reducer = GradientReducer::new(&model, group.clone(), small_buckets()).unwrap();
         let mut optim = SgdConfig::new().init();
         let sampler = DistributedSampler::for_group(&group).seed(11);
         let loader = DataLoaderBuilder::new(ToBatch)

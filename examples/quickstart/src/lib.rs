@@ -381,12 +381,24 @@ impl Report {
 pub fn device(name: &str, local_rank: usize) -> Result<Device> {
     match name {
         "cpu" => Ok(Device::flex().autodiff()),
-        "cuda" => bail!(
-            "--device cuda (GPU {local_rank}): this build has no CUDA/NCCL support yet; use \
-             --device cpu"
-        ),
+        "cuda" => cuda_device(local_rank),
         other => bail!("unknown device {other:?}: expected cpu or cuda"),
     }
+}
+
+#[cfg(feature = "cuda")]
+fn cuda_device(local_rank: usize) -> Result<Device> {
+    // Fails with what was looked for and how to fix it, instead of a loader panic.
+    burn_ddp_nccl::check_libraries().context("--device cuda")?;
+    Ok(Device::cuda(local_rank).autodiff())
+}
+
+#[cfg(not(feature = "cuda"))]
+fn cuda_device(local_rank: usize) -> Result<Device> {
+    bail!(
+        "--device cuda (GPU {local_rank}): this build has no CUDA support; rebuild with \
+         `--features cuda` (cargo build -p quickstart --features cuda)"
+    )
 }
 
 /// Accuracy of `model` on all of `data`, in percent.
