@@ -3,7 +3,8 @@
 //!
 //! - `multi-cpu --nproc N [--example NAME] [--release] [-- ARGS]`: N CPU ranks of an example
 //!   binary (`quickstart`, the default; `digits`; `hello_ddp`).
-//! - `multi-gpu ...`: one rank per GPU (needs the NCCL backend, not in this build).
+//! - `multi-gpu [--nproc-per-node N] [--nnodes M --node-rank R --master-addr A --master-port P]`:
+//!   one rank per visible GPU (`CUDA_VISIBLE_DEVICES` respected), examples built with CUDA.
 //! - `bench-collectives [--world N] [--sizes 4K,64M,...] [--chunk 512K] [--spin-us 20]`: the
 //!   all-reduce benchmark on N rank processes (release build).
 //! - `bench-train [--epochs 3] [--repeats 3]`: quickstart step time of `DdpLearner` at world
@@ -18,7 +19,7 @@ use burn_ddp::launch::{LaunchConfig, launch};
 
 const USAGE: &str = "usage:
   cargo xtask multi-cpu --nproc N [--example NAME] [--release] [-- ARGS...]
-  cargo xtask multi-gpu [--nproc-per-node N] [--example NAME] [-- ARGS...]
+  cargo xtask multi-gpu [--nproc-per-node N] [--nnodes M --node-rank R --master-addr A --master-port P] [--example NAME] [--release] [-- ARGS...]
   cargo xtask bench-collectives [--world N] [--sizes 4K,64M,...] [--chunk 512K] [--spin-us 20] [--op sum|avg|max]
   cargo xtask bench-train [--epochs 3] [--repeats 3] [--batch-size 32]";
 
@@ -121,6 +122,92 @@ fn multi_cpu(args: &[String]) -> Result<()> {
     let exe = build(&["--bin", example], opts.has("--release"))?;
     let cfg = LaunchConfig::new(exe, nproc).args(opts.rest.clone());
     launch(&cfg).context("multi-cpu run failed")
+}
+
+/// GPUs this process may use: `CUDA_VISIBLE_DEVICES` when set, else what `nvidia-smi -L` lists.
+fn visible_gpus() -> usize {
+    if let Ok(v) = std::env::var("CUDA_VISIBLE_DEVICES") {
+        return v
+            .split(',')
+            .map(str::trim)
+            .take_while(|d| !d.is_empty() && !d.starts_with('-'))
+            .count();
+    }
+    Command::new("nvidia-smi")
+        .arg("-L")
+        .output()
+        .map(|o| {
+            String::from_utf8_lossy(&o.stdout)
+                .lines()
+                .filter(|l| l.starts_with("GPU "))
+                .count()
+        })
+        .unwrap_or(0)
+}
+
+/// If NCCL is only installed as `libnccl.so.2` (the pip wheel), links it as `libnccl.so` in a
+/// private directory and returns an `LD_LIBRARY_PATH` for the ranks that includes it.
+fn nccl_library_path() -> Result<Option<String>> {
+    let found = burn_ddp_nccl::library::Located::from_env();
+    let (None, Some(soname)) = (&found.nccl, &found.nccl_soname) else {
+        return Ok(None);
+    };
+    let dir = std::env::temp_dir().join(format!("burn-ddp-nccl-{}", std::process::id()));
+    std::fs::create_dir_all(&dir)?;
+    let link = dir.join("libnccl.so");
+    let _ = std::fs::remove_file(&link);
+    std::os::unix::fs::symlink(soname, &link)
+        .with_context(|| format!("linking {} as {}", soname.display(), link.display()))?;
+    let old = std::env::var("LD_LIBRARY_PATH").unwrap_or_default();
+    Ok(Some(format!("{}:{old}", dir.display())))
+}
+
+fn multi_gpu(args: &[String]) -> Result<()> {
+    let opts = Opts::parse(args, &["--release"])?;
+    opts.check(&[
+        "--nproc",
+        "--nproc-per-node",
+        "--nnodes",
+        "--node-rank",
+        "--master-addr",
+        "--master-port",
+        "--example",
+        "--release",
+    ])?;
+    let visible = visible_gpus();
+    let nproc = opts.number(&["--nproc-per-node", "--nproc"], visible)?;
+    if nproc == 0 || nproc > visible {
+        bail!(
+            "{nproc} processes asked for, {visible} GPU(s) visible (CUDA_VISIBLE_DEVICES or \
+             nvidia-smi): one process per GPU; without GPUs use `cargo xtask multi-cpu`"
+        );
+    }
+    let example = opts.get(&["--example"]).unwrap_or("quickstart");
+    // The quickstart package's binaries train on GPUs with its `cuda` feature.
+    let exe = match example {
+        "quickstart" | "digits" => build(
+            &["-p", "quickstart", "--bin", example, "--features", "cuda"],
+            opts.has("--release"),
+        )?,
+        other => build(&["--bin", other], opts.has("--release"))?,
+    };
+    let mut rank_args = opts.rest.clone();
+    if matches!(example, "quickstart" | "digits") && !rank_args.iter().any(|a| a == "--device") {
+        rank_args.extend(["--device".into(), "cuda".into()]);
+    }
+    let mut cfg = LaunchConfig::new(exe, nproc).args(rank_args);
+    cfg.nnodes = opts.number(&["--nnodes"], 1)?;
+    cfg.node_rank = opts.number(&["--node-rank"], 0)?;
+    if let Some(addr) = opts.get(&["--master-addr"]) {
+        cfg.master_addr = addr.to_string();
+    }
+    if let Some(port) = opts.get(&["--master-port"]) {
+        cfg.master_port = Some(port.parse().context("--master-port")?);
+    }
+    if let Some(path) = nccl_library_path()? {
+        cfg = cfg.env("LD_LIBRARY_PATH", path);
+    }
+    launch(&cfg).context("multi-gpu run failed")
 }
 
 fn bench_collectives(args: &[String]) -> Result<()> {
@@ -250,10 +337,7 @@ fn main() -> Result<()> {
     };
     match task.as_str() {
         "multi-cpu" => multi_cpu(rest),
-        "multi-gpu" => bail!(
-            "this build has no GPU support: the NCCL backend (burn-ddp-nccl) is not implemented \
-             yet; use `cargo xtask multi-cpu`"
-        ),
+        "multi-gpu" => multi_gpu(rest),
         "bench-collectives" => bench_collectives(rest),
         "bench-train" => bench_train(rest),
         "-h" | "--help" | "help" => {
