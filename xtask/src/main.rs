@@ -9,6 +9,8 @@
 //!   all-reduce benchmark on N rank processes (release build).
 //! - `bench-train [--epochs 3] [--repeats 3]`: quickstart step time of `DdpLearner` at world
 //!   size 1 against burn's `Learner`, and samples/s at world size 2 against 1.
+//! - `gpu-bundle --out DIR`: stripped release binaries and `run.sh`, the one-command GPU check
+//!   for a bare machine with a GPU, CUDA 13 and NCCL (no cargo, no network).
 
 use std::ffi::OsString;
 use std::path::PathBuf;
@@ -21,11 +23,12 @@ const USAGE: &str = "usage:
   cargo xtask multi-cpu --nproc N [--example NAME] [--release] [-- ARGS...]
   cargo xtask multi-gpu [--nproc-per-node N] [--nnodes M --node-rank R --master-addr A --master-port P] [--example NAME] [--release] [-- ARGS...]
   cargo xtask bench-collectives [--world N] [--sizes 4K,64M,...] [--chunk 512K] [--spin-us 20] [--op sum|avg|max]
-  cargo xtask bench-train [--epochs 3] [--repeats 3] [--batch-size 32]";
+  cargo xtask bench-train [--epochs 3] [--repeats 3] [--batch-size 32]
+  cargo xtask gpu-bundle --out DIR";
 
-/// Builds one target (`target`: cargo's selection flags) and returns the path of its
-/// executable, read from cargo's JSON messages.
-fn build(target: &[&str], release: bool) -> Result<PathBuf> {
+/// Builds targets (`target`: cargo's selection flags) and returns the executables cargo
+/// reports, as (target name, path), read from its JSON messages.
+fn build_all(target: &[&str], release: bool) -> Result<Vec<(String, PathBuf)>> {
     let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
     let mut cmd = Command::new(cargo);
     cmd.args(["build", "--message-format=json-render-diagnostics"]);
@@ -40,16 +43,28 @@ fn build(target: &[&str], release: bool) -> Result<PathBuf> {
     if !out.status.success() {
         bail!("building {target:?} failed");
     }
-    let mut exe = None;
+    let mut exes = Vec::new();
     for line in String::from_utf8_lossy(&out.stdout).lines() {
         let msg: serde_json::Value = serde_json::from_str(line).unwrap_or_default();
         if msg["reason"] == "compiler-artifact"
             && let Some(path) = msg["executable"].as_str()
         {
-            exe = Some(PathBuf::from(path));
+            let name = msg["target"]["name"]
+                .as_str()
+                .unwrap_or_default()
+                .to_string();
+            exes.push((name, PathBuf::from(path)));
         }
     }
-    exe.with_context(|| format!("cargo built no executable for {target:?}"))
+    Ok(exes)
+}
+
+/// Builds one target and returns the path of its executable.
+fn build(target: &[&str], release: bool) -> Result<PathBuf> {
+    build_all(target, release)?
+        .pop()
+        .map(|(_, path)| path)
+        .with_context(|| format!("cargo built no executable for {target:?}"))
 }
 
 /// Splits `--flag value` options from the arguments after `--`.
@@ -210,6 +225,87 @@ fn multi_gpu(args: &[String]) -> Result<()> {
     launch(&cfg).context("multi-gpu run failed")
 }
 
+/// Largest bundle `gpu-bundle` may produce.
+const BUNDLE_LIMIT: u64 = 60 << 20;
+
+fn run_tool(cmd: &mut Command) -> Result<()> {
+    let status = cmd.status().with_context(|| format!("running {cmd:?}"))?;
+    if !status.success() {
+        bail!("{cmd:?} failed ({status})");
+    }
+    Ok(())
+}
+
+fn dir_size(dir: &std::path::Path) -> Result<u64> {
+    let mut total = 0;
+    for e in std::fs::read_dir(dir)? {
+        let e = e?;
+        total += if e.file_type()?.is_dir() {
+            dir_size(&e.path())?
+        } else {
+            e.metadata()?.len()
+        };
+    }
+    Ok(total)
+}
+
+/// Stripped release binaries of the GPU checks plus `run.sh`, for a bare GPU machine.
+fn gpu_bundle(args: &[String]) -> Result<()> {
+    let opts = Opts::parse(args, &[])?;
+    opts.check(&["--out"])?;
+    let out = PathBuf::from(opts.get(&["--out"]).context("--out DIR is required")?);
+    let tests = build(
+        &[
+            "-p",
+            "burn-ddp-nccl",
+            "--features",
+            "cuda",
+            "--test",
+            "nccl",
+        ],
+        true,
+    )?;
+    let quickstart = build(
+        &[
+            "-p",
+            "quickstart",
+            "--features",
+            "cuda",
+            "--bin",
+            "quickstart",
+        ],
+        true,
+    )?;
+    let bin = out.join("bin");
+    let _ = std::fs::remove_dir_all(&bin);
+    std::fs::create_dir_all(&bin)?;
+    for (from, name) in [(&tests, "nccl-tests"), (&quickstart, "quickstart")] {
+        let to = bin.join(name);
+        std::fs::copy(from, &to).with_context(|| format!("copying {}", from.display()))?;
+        run_tool(Command::new("strip").arg(&to))?;
+    }
+    if dir_size(&bin)? > BUNDLE_LIMIT {
+        for e in std::fs::read_dir(&bin)? {
+            run_tool(Command::new("xz").args(["-9", "-T0"]).arg(e?.path()))?;
+        }
+    }
+    let script = out.join("run.sh");
+    std::fs::write(&script, include_str!("../assets/gpu-check.sh"))?;
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(&script, std::fs::Permissions::from_mode(0o755))?;
+    let total = dir_size(&out)?;
+    println!(
+        "gpu-bundle: {} ({:.1} MiB); on the GPU machine run: bash {}/run.sh",
+        out.display(),
+        total as f64 / (1 << 20) as f64,
+        out.display()
+    );
+    if total > BUNDLE_LIMIT {
+        bail!("the bundle is {total} bytes, above the {BUNDLE_LIMIT}-byte limit");
+    }
+    Ok(())
+}
+
 fn bench_collectives(args: &[String]) -> Result<()> {
     let opts = Opts::parse(args, &[])?;
     opts.check(&["--world", "--sizes", "--chunk", "--spin-us", "--op"])?;
@@ -340,6 +436,7 @@ fn main() -> Result<()> {
         "multi-gpu" => multi_gpu(rest),
         "bench-collectives" => bench_collectives(rest),
         "bench-train" => bench_train(rest),
+        "gpu-bundle" => gpu_bundle(rest),
         "-h" | "--help" | "help" => {
             println!("{USAGE}");
             Ok(())

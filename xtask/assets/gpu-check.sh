@@ -1,0 +1,105 @@
+#!/usr/bin/env bash
+# burn-ddp one-command GPU check (made by `cargo xtask gpu-bundle`). Needs a Linux x86-64 machine
+# with an NVIDIA driver, CUDA 13 and NCCL (the `nvidia-nccl-cu13` wheel or BURN_DDP_NCCL_DIR);
+# no cargo, no network. Prints a summary table; on a machine without a GPU it says so and exits 0.
+set -u
+here="$(cd "$(dirname "$0")" && pwd)"
+work="$(mktemp -d)"
+trap 'rm -rf "$work"' EXIT
+results=()
+record() { results+=("$(printf '%-58s %s' "$1" "$2")"); }
+summary() {
+    echo
+    echo "=== burn-ddp GPU check: summary ==="
+    printf '%s\n' "${results[@]}"
+}
+
+# Unpack the binaries.
+mkdir -p "$work/bin"
+for f in "$here"/bin/*; do
+    case "$f" in
+        *.xz) xz -dc "$f" > "$work/bin/$(basename "${f%.xz}")" ;;
+        *) cp "$f" "$work/bin/" ;;
+    esac
+done
+chmod +x "$work"/bin/*
+
+gpus=0
+if command -v nvidia-smi >/dev/null 2>&1; then
+    gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU ' || true)
+fi
+if [ "$gpus" -eq 0 ]; then
+    echo "no GPU: nvidia-smi lists none (or is missing); nothing to check on this machine"
+    record "GPU" "none: every check skipped"
+    # The binaries still start and fail cleanly without CUDA (no loader panic):
+    if "$work/bin/quickstart" --device cuda --epochs 1 >"$work/q.log" 2>&1; then
+        record "quickstart --device cuda without a GPU" "UNEXPECTED success"
+    elif grep -q "not found" "$work/q.log"; then
+        record "quickstart --device cuda without a GPU" "clean error: $(grep -m1 -o 'lib[a-z]* not found' "$work/q.log")"
+    else
+        record "quickstart --device cuda without a GPU" "FAILED: $(tail -n1 "$work/q.log")"
+    fi
+    summary
+    exit 0
+fi
+echo "GPUs: $gpus"
+record "GPUs visible" "$gpus"
+
+# NCCL: the wheel ships libnccl.so.2; the loader wants libnccl.so.
+nccl_dir="${BURN_DDP_NCCL_DIR:-}"
+if [ -z "$nccl_dir" ]; then
+    nccl_dir=$(python3 -c 'import nvidia.nccl, os; print(os.path.join(list(nvidia.nccl.__path__)[0], "lib"))' 2>/dev/null || true)
+fi
+if [ -n "$nccl_dir" ] && [ -f "$nccl_dir/libnccl.so.2" ]; then
+    mkdir -p "$work/lib"
+    ln -sf "$nccl_dir/libnccl.so.2" "$work/lib/libnccl.so"
+    export LD_LIBRARY_PATH="$work/lib:$nccl_dir:${LD_LIBRARY_PATH:-}"
+    record "NCCL library" "$nccl_dir/libnccl.so.2"
+else
+    record "NCCL library" "not found (set BURN_DDP_NCCL_DIR or pip install nvidia-nccl-cu13)"
+fi
+
+# 1. NCCL all-reduce, world size 1, out of place into zeros, f32/f16/bf16, odd lengths.
+if "$work/bin/nccl-tests" --nocapture --test-threads=1 >"$work/t.log" 2>&1; then
+    if grep -q SKIPPED "$work/t.log"; then
+        record "NCCL world 1 all_reduce (f32/f16/bf16, n=1,7,1000003)" "SKIPPED: $(grep -m1 SKIPPED "$work/t.log")"
+    else
+        record "NCCL world 1 all_reduce (f32/f16/bf16, n=1,7,1000003)" "ok ($(grep -c 'all_reduce .*: ok' "$work/t.log") cases)"
+    fi
+else
+    record "NCCL world 1 all_reduce (f32/f16/bf16, n=1,7,1000003)" "FAILED (see below)"
+    tail -n 30 "$work/t.log"
+fi
+
+# 2. The quickstart through DdpLearner on the GPU, world 1; and burn's own Learner.
+step_ms() { grep -o '[0-9.]* ms per step' "$1" | head -n1 | cut -d' ' -f1; }
+RANK=0 WORLD_SIZE=1 "$work/bin/quickstart" --device cuda --epochs 3 --quiet >"$work/q1.log" 2>&1
+q1=$?
+"$work/bin/quickstart" --device cuda --epochs 3 --quiet --plain >"$work/qp.log" 2>&1
+qp=$?
+if [ $q1 -eq 0 ]; then
+    record "quickstart, DdpLearner, world 1, GPU" "ok: $(grep -o 'validation accuracy [0-9.]*%' "$work/q1.log")"
+else
+    record "quickstart, DdpLearner, world 1, GPU" "FAILED: $(tail -n1 "$work/q1.log")"
+fi
+if [ $q1 -eq 0 ] && [ $qp -eq 0 ]; then
+    a=$(step_ms "$work/q1.log"); b=$(step_ms "$work/qp.log")
+    record "step time DdpLearner / burn Learner (world 1, GPU)" "$a ms / $b ms = $(python3 -c "print(f'{$a/$b:.3f}')" 2>/dev/null)"
+fi
+
+# 3. World size 2 on the one GPU: two processes that NCCL should see as two hosts.
+port=$((20000 + RANDOM % 20000))
+for r in 0 1; do
+    RANK=$r WORLD_SIZE=2 LOCAL_RANK=0 LOCAL_WORLD_SIZE=1 MASTER_ADDR=127.0.0.1 MASTER_PORT=$port \
+    NCCL_HOSTID="burn-ddp-host-$r" NCCL_SOCKET_IFNAME=lo NCCL_IB_DISABLE=1 BURN_DDP_TIMEOUT=120 \
+        "$work/bin/quickstart" --device cuda --epochs 2 --quiet --save-model "$work/w2-$r.safetensors" \
+        >"$work/w2-$r.log" 2>&1 &
+done
+wait
+if grep -q "validation accuracy" "$work/w2-0.log"; then
+    record "world 2 on one GPU (NCCL_HOSTID per rank)" "NCCL accepted it: $(grep -o 'validation accuracy [0-9.]*%' "$work/w2-0.log")"
+else
+    record "world 2 on one GPU (NCCL_HOSTID per rank)" "not accepted: $(grep -h -m1 -i 'error\|nccl' "$work"/w2-*.log | head -n1)"
+fi
+
+summary
