@@ -87,7 +87,14 @@ if [ $q1 -eq 0 ] && [ $qp -eq 0 ]; then
     record "step time DdpLearner / burn Learner (world 1, GPU)" "$a ms / $b ms = $(python3 -c "print(f'{$a/$b:.3f}')" 2>/dev/null)"
 fi
 
-# 3. World size 2 on the one GPU: two processes that NCCL should see as two hosts.
+# 3. Pack + NCCL all-reduce + unpack of a 256 MiB bucket against a device copy.
+if "$work/bin/bucket-bench" >"$work/b.log" 2>&1; then
+    record "256 MiB bucket vs device copy" "$(tail -n1 "$work/b.log")"
+else
+    record "256 MiB bucket vs device copy" "FAILED: $(tail -n1 "$work/b.log")"
+fi
+
+# 4. World size 2 on the one GPU: two processes that NCCL should see as two hosts.
 port=$((20000 + RANDOM % 20000))
 for r in 0 1; do
     RANK=$r WORLD_SIZE=2 LOCAL_RANK=0 LOCAL_WORLD_SIZE=1 MASTER_ADDR=127.0.0.1 MASTER_PORT=$port \

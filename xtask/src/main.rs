@@ -254,32 +254,39 @@ fn gpu_bundle(args: &[String]) -> Result<()> {
     let opts = Opts::parse(args, &[])?;
     opts.check(&["--out"])?;
     let out = PathBuf::from(opts.get(&["--out"]).context("--out DIR is required")?);
-    let tests = build(
+    // One build for all three, so burn is compiled once with one feature set.
+    let exes = build_all(
         &[
             "-p",
             "burn-ddp-nccl",
-            "--features",
-            "cuda",
-            "--test",
-            "nccl",
-        ],
-        true,
-    )?;
-    let quickstart = build(
-        &[
             "-p",
             "quickstart",
             "--features",
-            "cuda",
+            "burn-ddp-nccl/cuda,quickstart/cuda",
+            "--test",
+            "nccl",
             "--bin",
             "quickstart",
+            "--example",
+            "bucket_bench",
         ],
         true,
     )?;
+    let find = |name: &str| {
+        exes.iter()
+            .find(|(n, _)| n == name)
+            .map(|(_, p)| p.clone())
+            .with_context(|| format!("cargo built no {name}"))
+    };
+    let (tests, quickstart, bench) = (find("nccl")?, find("quickstart")?, find("bucket_bench")?);
     let bin = out.join("bin");
     let _ = std::fs::remove_dir_all(&bin);
     std::fs::create_dir_all(&bin)?;
-    for (from, name) in [(&tests, "nccl-tests"), (&quickstart, "quickstart")] {
+    for (from, name) in [
+        (&tests, "nccl-tests"),
+        (&quickstart, "quickstart"),
+        (&bench, "bucket-bench"),
+    ] {
         let to = bin.join(name);
         std::fs::copy(from, &to).with_context(|| format!("copying {}", from.display()))?;
         run_tool(Command::new("strip").arg(&to))?;
