@@ -53,11 +53,13 @@ fn rank_process() {
                 }
             }
         }
-        // Rank 1 fails at once; the others wait for it in an all-reduce.
+        // Rank 1 fails at once; the others are busy for a long time (the launcher must stop
+        // them), then would all-reduce.
         "fail_rank_1" => {
             if rank == 1 {
                 std::process::exit(7);
             }
+            std::thread::sleep(Duration::from_secs(60));
             if let Err(e) = group.all_reduce(vec![0f32; 10], ReduceOp::Sum).wait() {
                 eprintln!("RANK_ERROR: {e}");
                 std::process::exit(COLLECTIVE_FAILED);
