@@ -10,8 +10,8 @@
 //!   GPU, joined with the 128-byte id rank 0 creates ([`unique_id`]) and passes through
 //!   burn-ddp's store; its `unsafe` calls live in one module with their safety argument.
 //!
-//! Status: the communicator is built and unit-tested without a GPU here; it has not yet run on a
-//! GPU, and `DdpLearner` does not select it yet (CPU training uses burn-ddp's TCP transport).
+//! burn-ddp's `nccl` feature makes `DdpLearner` use it for models on CUDA devices. Status: built
+//! and tested without a GPU (library finder, NCCL id); it has not yet run on a GPU.
 
 mod error;
 pub mod library;
