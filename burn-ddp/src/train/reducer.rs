@@ -188,11 +188,7 @@ impl GradientReducer {
     fn start(&self, packed: Tensor<1>) -> Result<InFlight> {
         match &self.transport {
             Transport::Tcp => {
-                let values = packed
-                    .into_data()
-                    .convert::<f32>()
-                    .try_into_vec::<f32>()
-                    .map_err(|e| DdpError::Tensor(format!("{e:?}")))?;
+                let values = host_f32(packed)?;
                 Ok(InFlight::Tcp(self.group.all_reduce(values, ReduceOp::Avg)))
             }
             #[cfg(feature = "nccl")]
@@ -210,13 +206,7 @@ impl GradientReducer {
     fn unpack(&self, b: usize, packed: Tensor<1>, out: &mut [Option<Tensor<1>>]) -> Result<()> {
         let bucket = &self.plan.buckets[b];
         let n = bucket.params.len();
-        let presence = packed
-            .clone()
-            .narrow(0, bucket.len, n)
-            .into_data()
-            .convert::<f32>()
-            .try_into_vec::<f32>()
-            .map_err(|e| DdpError::Tensor(format!("{e:?}")))?;
+        let presence = host_f32(packed.clone().narrow(0, bucket.len, n))?;
         for (k, (&p, &offset)) in bucket.params.iter().zip(&bucket.offsets).enumerate() {
             if presence[k] > 0.0 {
                 out[p] = Some(packed.clone().narrow(0, offset, self.params[p].numel()));
@@ -224,6 +214,14 @@ impl GradientReducer {
         }
         Ok(())
     }
+}
+
+/// A tensor's values on the host, as `f32`.
+fn host_f32(t: Tensor<1>) -> Result<Vec<f32>> {
+    t.into_data()
+        .convert::<f32>()
+        .try_into_vec::<f32>()
+        .map_err(|e| DdpError::Tensor(format!("{e:?}")))
 }
 
 /// How buckets travel: TCP through the process group (CPU devices), or NCCL on the GPU.
