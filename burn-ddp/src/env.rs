@@ -8,6 +8,12 @@
 use std::time::Duration;
 
 use crate::error::{DdpError, Result};
+use crate::secret::{JobSecret, SECRET_VAR};
+
+/// Set to `1` by a launcher that serves the store itself (rank 0 then does not).
+pub const AGENT_STORE_VAR: &str = "BURN_DDP_AGENT_STORE";
+/// Host the store listens on instead of `MASTER_ADDR`'s interface.
+pub const STORE_BIND_VAR: &str = "BURN_DDP_STORE_BIND";
 
 /// Default rendezvous port, the same as PyTorch's.
 pub const DEFAULT_MASTER_PORT: u16 = 29500;
@@ -46,6 +52,13 @@ pub struct LaunchEnv {
     pub rendezvous_timeout: Option<Duration>,
     /// Which variables were used.
     pub source: EnvSource,
+    /// The job secret from `BURN_DDP_SECRET` (set by `burn-ddp-run`), if any.
+    pub secret: Option<JobSecret>,
+    /// `BURN_DDP_AGENT_STORE=1`: the launcher serves the store, so rank 0 does not.
+    pub agent_store: bool,
+    /// `BURN_DDP_STORE_BIND`: the host the store listens on, instead of `MASTER_ADDR`'s
+    /// interface (for example `0.0.0.0`).
+    pub store_bind: Option<String>,
 }
 
 /// Names of the four identity variables of one launcher family.
@@ -170,6 +183,13 @@ impl LaunchEnv {
             timeout: parse_seconds(&get, "BURN_DDP_TIMEOUT")?,
             rendezvous_timeout: parse_seconds(&get, "BURN_DDP_RENDEZVOUS_TIMEOUT")?,
             source,
+            secret: get(SECRET_VAR).map(JobSecret::new).transpose()?,
+            agent_store: match get(AGENT_STORE_VAR).as_deref().map(str::trim) {
+                None | Some("0") => false,
+                Some("1") => true,
+                Some(v) => return Err(invalid(AGENT_STORE_VAR, v, "0 or 1")),
+            },
+            store_bind: get(STORE_BIND_VAR).map(|v| v.trim().to_string()),
         })
     }
 }

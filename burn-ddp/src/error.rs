@@ -73,7 +73,7 @@ pub enum DdpError {
         what: String,
     },
     /// A collective failed: a peer died, left, timed out or sent something unexpected.
-    #[error("rank {rank}: {op} failed: {cause}")]
+    #[error("rank {rank}: {op} failed: {cause}; where the ranks were: {ranks}")]
     Collective {
         /// Rank reporting the failure.
         rank: usize,
@@ -81,6 +81,9 @@ pub enum DdpError {
         op: String,
         /// The root cause as agreed through the store (names the failing rank).
         cause: String,
+        /// Every rank's last published status (a dead rank's says what it was doing last),
+        /// for example `rank 3: validation, epoch 2, step 118; ranks 0-2: training, ...`.
+        ranks: String,
     },
     /// The group failed earlier; it cannot be used any more.
     #[error("rank {rank}: {op} refused: the process group failed earlier: {cause}")]
@@ -117,6 +120,14 @@ pub enum DdpError {
         /// Rank whose loader failed.
         rank: usize,
         /// The loader's error.
+        reason: String,
+    },
+    /// Writing, agreeing on or reading a checkpoint failed.
+    #[error("rank {rank}: checkpoint: {reason}")]
+    Checkpoint {
+        /// Rank reporting.
+        rank: usize,
+        /// What went wrong.
         reason: String,
     },
     /// A tensor could not be converted (for example a gradient of an unexpected type).

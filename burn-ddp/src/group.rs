@@ -17,6 +17,8 @@ use crate::collectives::tcp::{TcpConfig, TcpTransport, mesh};
 use crate::collectives::{DataType, Reduce, ReduceOp, Work};
 use crate::env::{DEFAULT_MASTER_PORT, LaunchEnv};
 use crate::error::{DdpError, Result};
+use crate::secret::JobSecret;
+use crate::status::StatusBoard;
 use crate::store::{Store, StoreServer};
 
 /// Options of a process group. The defaults suit training; tests shorten the timeouts.
@@ -68,6 +70,8 @@ pub struct ProcessGroupBuilder {
     master_addr: Option<String>,
     master_port: u16,
     host_store: Option<bool>,
+    store_bind: Option<String>,
+    secret: Option<JobSecret>,
     options: GroupOptions,
 }
 
@@ -96,6 +100,17 @@ impl ProcessGroupBuilder {
     /// when the launcher serves it (as torchrun's agent store does).
     pub fn host_store(mut self, host: bool) -> Self {
         self.host_store = Some(host);
+        self
+    }
+    /// The host the store listens on when this process serves it (default: the interface of
+    /// `master_addr`, never all interfaces unless asked, e.g. with `"0.0.0.0"`).
+    pub fn store_bind(mut self, host: impl Into<String>) -> Self {
+        self.store_bind = Some(host.into());
+        self
+    }
+    /// The job secret: the store and the data plane admit only processes that present it.
+    pub fn secret(mut self, secret: JobSecret) -> Self {
+        self.secret = Some(secret);
         self
     }
     /// Collective timeout (time without progress).
@@ -146,7 +161,7 @@ impl ProcessGroupBuilder {
         // A world of one needs no master: it serves itself on an ephemeral loopback port.
         let (server, store_addr) = match (&self.master_addr, world_size) {
             (None, 1) => {
-                let server = StoreServer::bind("127.0.0.1:0")?;
+                let server = StoreServer::bind_with_secret("127.0.0.1:0", self.secret.clone())?;
                 let addr = server.local_addr().to_string();
                 (Some(server), addr)
             }
@@ -158,13 +173,21 @@ impl ProcessGroupBuilder {
             (Some(host), _) => {
                 let addr = host_port(host, master_port);
                 let server = if host_store {
-                    let resolved = addr.to_socket_addrs().map_err(|e| DdpError::InvalidEnv {
-                        var: "MASTER_ADDR",
-                        value: host.clone(),
-                        expected: format!("a host name or address that resolves ({e})"),
-                    })?;
+                    let (var, bind_host) = match &self.store_bind {
+                        Some(b) => (crate::env::STORE_BIND_VAR, b),
+                        None => ("MASTER_ADDR", host),
+                    };
+                    let resolved = host_port(bind_host, master_port)
+                        .to_socket_addrs()
+                        .map_err(|e| DdpError::InvalidEnv {
+                            var,
+                            value: bind_host.clone(),
+                            expected: format!("a host name or address that resolves ({e})"),
+                        })?;
                     let candidates: Vec<_> = resolved.collect();
-                    Some(StoreServer::bind(&candidates[..]).map_err(|e| match e {
+                    let server =
+                        StoreServer::bind_with_secret(&candidates[..], self.secret.clone());
+                    Some(server.map_err(|e| match e {
                         DdpError::Bind {
                             addr,
                             what,
@@ -185,17 +208,24 @@ impl ProcessGroupBuilder {
             }
         };
 
-        let store = Arc::new(Store::connect(&store_addr, options.rendezvous_timeout)?);
+        let secret = self.secret.as_ref();
+        let store = Arc::new(Store::connect_with_secret(
+            &store_addr,
+            options.rendezvous_timeout,
+            secret,
+        )?);
         let streams = if world_size > 1 {
-            mesh::connect(rank, world_size, &store, deadline)?
+            mesh::connect(rank, world_size, &store, secret, deadline)?
         } else {
             vec![None]
         };
+        let status = StatusBoard::start(rank, world_size, store.clone());
         let transport = TcpTransport::new(
             rank,
             world_size,
             streams,
             store.clone(),
+            status.cell(),
             TcpConfig {
                 timeout: options.timeout,
                 chunk_bytes: options.chunk_bytes,
@@ -221,6 +251,7 @@ impl ProcessGroupBuilder {
             local_rank,
             local_world_size,
             store,
+            status,
             options,
             jobs: Some(jobs),
             worker: Some(worker),
@@ -258,6 +289,7 @@ pub struct ProcessGroup {
     local_rank: usize,
     local_world_size: usize,
     store: Arc<Store>,
+    status: StatusBoard,
     options: GroupOptions,
     jobs: Option<Sender<Job>>,
     worker: Option<JoinHandle<()>>,
@@ -292,6 +324,8 @@ impl ProcessGroup {
             master_addr: None,
             master_port: DEFAULT_MASTER_PORT,
             host_store: None,
+            store_bind: None,
+            secret: None,
             options: GroupOptions::default(),
         }
     }
@@ -316,6 +350,15 @@ impl ProcessGroup {
         if let Some(t) = env.rendezvous_timeout {
             b = b.rendezvous_timeout(t);
         }
+        if let Some(s) = &env.secret {
+            b = b.secret(s.clone());
+        }
+        if let Some(host) = &env.store_bind {
+            b = b.store_bind(host.clone());
+        }
+        if env.agent_store {
+            b = b.host_store(false);
+        }
         b.build()
     }
 
@@ -338,6 +381,10 @@ impl ProcessGroup {
     /// The rendezvous store (shared by all ranks).
     pub fn store(&self) -> &Arc<Store> {
         &self.store
+    }
+    /// This rank's status (phase, epoch, step, activity), published for failure reports.
+    pub fn status(&self) -> &StatusBoard {
+        &self.status
     }
     /// How many all-reduces this rank has issued (for checking communication volume).
     pub fn all_reduce_count(&self) -> u64 {

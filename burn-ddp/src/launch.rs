@@ -1,7 +1,11 @@
 //! Starts the rank processes of a program, as torchrun does: sets the launcher variables
 //! (`RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `LOCAL_WORLD_SIZE`, `GROUP_RANK`, `MASTER_ADDR`,
-//! `MASTER_PORT`), picks a free port when none is given, prefixes each output line with its
-//! rank, and when one rank fails stops the others and reports the rank that failed first.
+//! `MASTER_PORT`), prefixes each output line with its rank, and when one rank fails stops the
+//! others and reports the rank that failed first and what it last reported doing.
+//!
+//! The launcher of node 0 serves the store itself (as torchrun's agent store), so the store and
+//! the ranks' status reports outlive any rank, including rank 0. It generates a job secret
+//! (`BURN_DDP_SECRET`) that the store and the data plane require from every connection.
 
 use std::ffi::OsString;
 use std::io::{BufRead, BufReader, Read, Write};
@@ -11,7 +15,11 @@ use std::process::{Child, Command, ExitStatus, Stdio};
 use std::sync::mpsc;
 use std::thread::JoinHandle;
 
+use crate::env::AGENT_STORE_VAR;
 use crate::error::{DdpError, Result};
+use crate::secret::{JobSecret, SECRET_VAR};
+use crate::status::{RankStatus, status_key};
+use crate::store::StoreServer;
 
 /// What to launch and how.
 #[derive(Debug, Clone)]
@@ -28,8 +36,11 @@ pub struct LaunchConfig {
     pub node_rank: usize,
     /// Host of rank 0 (default `127.0.0.1`).
     pub master_addr: String,
-    /// Port of rank 0's store; `None` picks a free one (single node only).
+    /// Port of the store; `None` picks a free one (single node only).
     pub master_port: Option<u16>,
+    /// The job secret; `None`: `BURN_DDP_SECRET` of the launcher's environment if set, else a
+    /// fresh one (single node; every node of a multi-node job must be given the same).
+    pub secret: Option<JobSecret>,
     /// Extra environment for every rank.
     pub env: Vec<(OsString, OsString)>,
 }
@@ -45,6 +56,7 @@ impl LaunchConfig {
             node_rank: 0,
             master_addr: "127.0.0.1".into(),
             master_port: None,
+            secret: None,
             env: Vec::new(),
         }
     }
@@ -119,14 +131,35 @@ pub fn launch(cfg: &LaunchConfig) -> Result<()> {
             cfg.nproc_per_node, cfg.nnodes, cfg.node_rank
         )));
     }
-    let port = match cfg.master_port {
-        Some(p) => p,
-        None if cfg.nnodes == 1 => free_port(&cfg.master_addr)?,
-        None => {
-            return Err(DdpError::InvalidConfig(
-                "with several nodes, give the same master port to every node".into(),
-            ));
+    if cfg.nnodes > 1 && cfg.master_port.is_none() {
+        return Err(DdpError::InvalidConfig(
+            "with several nodes, give the same master port to every node".into(),
+        ));
+    }
+    let secret = match (&cfg.secret, std::env::var(SECRET_VAR)) {
+        (Some(s), _) => s.clone(),
+        (None, Ok(v)) => JobSecret::new(v)?,
+        (None, Err(_)) if cfg.nnodes == 1 => JobSecret::generate()?,
+        (None, Err(_)) => {
+            return Err(DdpError::MissingEnv {
+                var: SECRET_VAR,
+                why: "with several nodes, every node's launcher needs the same job secret \
+                      (for example `export BURN_DDP_SECRET=$(openssl rand -hex 32)`)"
+                    .into(),
+            });
         }
+    };
+    // Node 0 serves the store, bound to the master address only.
+    let server = if cfg.node_rank == 0 {
+        let addr = (cfg.master_addr.as_str(), cfg.master_port.unwrap_or(0));
+        Some(StoreServer::bind_with_secret(addr, Some(secret.clone()))?)
+    } else {
+        None
+    };
+    let port = match (&server, cfg.master_port) {
+        (Some(s), _) => s.local_addr().port(),
+        (None, Some(p)) => p,
+        (None, None) => unreachable!("checked above: several nodes need a port"),
     };
     let world = cfg.nproc_per_node * cfg.nnodes;
     let mut children: Vec<Child> = Vec::new();
@@ -143,6 +176,8 @@ pub fn launch(cfg: &LaunchConfig) -> Result<()> {
             .env("GROUP_RANK", cfg.node_rank.to_string())
             .env("MASTER_ADDR", &cfg.master_addr)
             .env("MASTER_PORT", port.to_string())
+            .env(SECRET_VAR, secret.to_env_value())
+            .env(AGENT_STORE_VAR, "1")
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped());
@@ -191,6 +226,14 @@ pub fn launch(cfg: &LaunchConfig) -> Result<()> {
             Err(e) => format!("cannot be waited for ({e})"),
         };
         if result.is_ok() {
+            let last = server
+                .as_ref()
+                .and_then(|s| s.value(&status_key(first + i)))
+                .and_then(|raw| RankStatus::from_bytes(&raw));
+            let failure = match last {
+                Some(status) => format!("{failure}; it last reported: {status}"),
+                None => failure,
+            };
             log::error!("rank {} {failure}; stopping the other ranks", first + i);
             result = Err(DdpError::RankFailed {
                 rank: first + i,

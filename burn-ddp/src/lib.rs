@@ -27,6 +27,8 @@ pub mod env;
 mod error;
 mod group;
 pub mod launch;
+pub mod secret;
+pub mod status;
 pub mod store;
 #[cfg(feature = "train")]
 pub mod train;

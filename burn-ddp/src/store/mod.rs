@@ -13,6 +13,7 @@ use std::time::{Duration, Instant};
 pub use server::StoreServer;
 
 use crate::error::{DdpError, Result};
+use crate::secret::JobSecret;
 use crate::wire::{read_frame, write_frame};
 use protocol::{HELLO, MAX_FRAME_LEN, Request, Response};
 
@@ -38,6 +39,15 @@ impl Store {
     /// Connects to the store at `addr` (`host:port`), retrying until `timeout` passes, so
     /// clients may start before the server. `timeout` is also the default wait of [`Store::get`].
     pub fn connect(addr: &str, timeout: Duration) -> Result<Self> {
+        Self::connect_with_secret(addr, timeout, None)
+    }
+
+    /// As [`Store::connect`], presenting the job secret to a server that requires one.
+    pub fn connect_with_secret(
+        addr: &str,
+        timeout: Duration,
+        secret: Option<&JobSecret>,
+    ) -> Result<Self> {
         let start = Instant::now();
         let deadline = start + timeout;
         let mut backoff = Duration::from_millis(20);
@@ -59,7 +69,7 @@ impl Store {
                     for sa in candidates {
                         let budget = (deadline - now).min(Duration::from_secs(2));
                         match TcpStream::connect_timeout(&sa, budget) {
-                            Ok(stream) => return Self::handshake(addr, stream, timeout),
+                            Ok(stream) => return Self::handshake(addr, stream, timeout, secret),
                             Err(e) => last_error = e.to_string(),
                         }
                     }
@@ -70,7 +80,12 @@ impl Store {
         }
     }
 
-    fn handshake(addr: &str, mut stream: TcpStream, timeout: Duration) -> Result<Self> {
+    fn handshake(
+        addr: &str,
+        mut stream: TcpStream,
+        timeout: Duration,
+        secret: Option<&JobSecret>,
+    ) -> Result<Self> {
         let fail = |reason: String| DdpError::Store {
             addr: addr.to_string(),
             reason,
@@ -81,6 +96,7 @@ impl Store {
             .map_err(|e| fail(e.to_string()))?;
         stream
             .write_all(HELLO)
+            .and_then(|_| write_frame(&mut stream, secret.map_or(&[][..], JobSecret::as_bytes)))
             .map_err(|e| fail(format!("sending hello: {e}")))?;
         let mut hello = vec![0u8; HELLO.len()];
         stream.read_exact(&mut hello).map_err(|e| {
@@ -93,6 +109,14 @@ impl Store {
                 "the server is not a burn-ddp store (bad hello); is another program using this port?"
                     .into(),
             ));
+        }
+        let verdict = read_frame(&mut stream, 4096)
+            .map_err(|e| fail(format!("the store did not answer the hello: {e}")))?;
+        if !verdict.is_empty() {
+            return Err(fail(format!(
+                "refused: {}",
+                String::from_utf8_lossy(&verdict)
+            )));
         }
         let local = stream.local_addr().map_err(|e| fail(e.to_string()))?;
         Ok(Store {

@@ -1,6 +1,8 @@
 //! The store's request and response messages and their encoding.
 //!
-//! A connection starts with a hello (magic and version) in each direction, then carries one
+//! A connection starts with a hello (magic and version) in each direction; the client's is
+//! followed by a frame with the job secret (empty when it has none), the server's by a frame
+//! that is empty when the client is admitted and says why otherwise. Then it carries one
 //! request frame and one response frame at a time. Keys are UTF-8, at most [`MAX_KEY_LEN`]
 //! bytes; whole frames are at most [`MAX_FRAME_LEN`] bytes.
 
@@ -9,7 +11,7 @@ use std::time::Duration;
 use crate::wire::{Reader, Writer};
 
 /// First bytes of every store connection, both directions.
-pub(crate) const HELLO: &[u8] = b"burn-ddp store v1";
+pub(crate) const HELLO: &[u8] = b"burn-ddp store v2";
 /// Largest frame either side accepts.
 pub(crate) const MAX_FRAME_LEN: usize = 64 << 20;
 /// Longest key accepted.

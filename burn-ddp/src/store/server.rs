@@ -10,6 +10,7 @@ use std::time::{Duration, Instant};
 
 use super::protocol::{HELLO, MAX_FRAME_LEN, Request, Response};
 use crate::error::{DdpError, Result};
+use crate::secret::{JobSecret, MAX_SECRET_LEN, admits};
 use crate::wire::{FrameError, read_frame, write_frame};
 
 /// How long a new client has to send its hello.
@@ -37,6 +38,7 @@ struct Shared {
     changed: Condvar,
     shutdown: AtomicBool,
     clients: Mutex<Vec<TcpStream>>,
+    secret: Option<JobSecret>,
 }
 
 impl Shared {
@@ -72,8 +74,16 @@ impl Shared {
 }
 
 impl StoreServer {
-    /// Listens on `addr` (use port 0 for an ephemeral port) and starts serving.
+    /// Listens on `addr` (use port 0 for an ephemeral port) and serves every client.
     pub fn bind(addr: impl ToSocketAddrs + std::fmt::Debug) -> Result<Self> {
+        Self::bind_with_secret(addr, None)
+    }
+
+    /// Listens on `addr` and serves only clients that present `secret` (everyone when `None`).
+    pub fn bind_with_secret(
+        addr: impl ToSocketAddrs + std::fmt::Debug,
+        secret: Option<JobSecret>,
+    ) -> Result<Self> {
         let shown = format!("{addr:?}").trim_matches('"').to_string();
         let listener = TcpListener::bind(&addr).map_err(|source| DdpError::Bind {
             hint: if source.kind() == std::io::ErrorKind::AddrInUse {
@@ -95,6 +105,7 @@ impl StoreServer {
             changed: Condvar::new(),
             shutdown: AtomicBool::new(false),
             clients: Mutex::new(Vec::new()),
+            secret,
         });
         let accept_shared = shared.clone();
         let accept = std::thread::Builder::new()
@@ -112,6 +123,12 @@ impl StoreServer {
     /// The address the server listens on.
     pub fn local_addr(&self) -> SocketAddr {
         self.addr
+    }
+
+    /// The value of `key` now, read in this process (the launcher reads the ranks' status
+    /// reports this way after a rank failed).
+    pub fn value(&self, key: &str) -> Option<Vec<u8>> {
+        self.shared.map().get(key).cloned()
     }
 }
 
@@ -187,7 +204,17 @@ fn serve_client(mut stream: TcpStream, shared: &Shared) -> std::result::Result<(
     if hello != HELLO {
         return Err("not a burn-ddp store client (bad hello)".into());
     }
+    let presented =
+        read_frame(&mut stream, MAX_SECRET_LEN).map_err(|e| format!("no secret: {e}"))?;
     stream.write_all(HELLO).map_err(|e| e.to_string())?;
+    if !admits(shared.secret.as_ref(), &presented) {
+        let _ = write_frame(
+            &mut stream,
+            b"this process does not present the job secret (BURN_DDP_SECRET) of this job",
+        );
+        return Err("refused a client without the job secret".into());
+    }
+    write_frame(&mut stream, b"").map_err(|e| e.to_string())?;
     // Clients may stay idle for a whole training run.
     stream.set_read_timeout(None).map_err(|e| e.to_string())?;
     loop {

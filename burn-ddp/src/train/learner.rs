@@ -17,12 +17,14 @@ use burn::train::{
 };
 
 use super::bucket::BucketConfig;
+use super::checkpoint::CheckpointConfig;
 use super::gather::GlobalItem;
 use super::params::{broadcast_module, check_agreement, layout};
 use super::reducer::GradientReducer;
 use super::sampler::DistributedSampler;
 use super::strategy::DdpStrategy;
 use crate::error::Result;
+use crate::status::Phase;
 use crate::{ProcessGroup, init_process_group};
 
 /// A data-parallel learner: the model, optimizer and schedule of a burn `Learner`, plus the
@@ -35,6 +37,7 @@ pub struct DdpLearner<M: LearnerModel> {
     buckets: BucketConfig,
     samplers: Vec<DistributedSampler>,
     settings: Vec<(String, String)>,
+    checkpoints: Option<CheckpointConfig>,
 }
 
 impl<M: LearnerModel> DdpLearner<M> {
@@ -64,6 +67,7 @@ impl<M: LearnerModel> DdpLearner<M> {
             buckets: BucketConfig::default(),
             samplers: Vec::new(),
             settings: Vec::new(),
+            checkpoints: None,
         }
     }
 
@@ -72,7 +76,8 @@ impl<M: LearnerModel> DdpLearner<M> {
         &self.group
     }
 
-    /// A sampler whose epoch the learner advances (call once per `DistributedSampler` used).
+    /// The training set's sampler: the learner advances its epoch and, when resuming, its
+    /// position within the epoch.
     pub fn sampler(mut self, sampler: &DistributedSampler) -> Self {
         self.samplers.push(sampler.clone());
         self
@@ -82,6 +87,13 @@ impl<M: LearnerModel> DdpLearner<M> {
     /// compared across ranks before training; a mismatch stops every rank naming the field.
     pub fn setting(mut self, name: &str, value: impl Display) -> Self {
         self.settings.push((name.to_string(), value.to_string()));
+        self
+    }
+
+    /// Checkpoints of the whole training state (rank 0 writes, all ranks agree), and resuming
+    /// from one found in the directory. See [`CheckpointConfig`].
+    pub fn checkpoints(mut self, config: CheckpointConfig) -> Self {
+        self.checkpoints = Some(config);
         self
     }
 
@@ -103,6 +115,7 @@ impl<M: LearnerModel> DdpLearner<M> {
             .unwrap_or_default()
             .autodiff();
         let model = self.model.fork(&device);
+        self.group.status().enter(Phase::Starting, None);
         check_agreement(&self.group, &layout(&model), &self.settings)?;
         let model = broadcast_module(model, &self.group)?;
         let reducer = GradientReducer::new(&model, self.group.clone(), self.buckets)?;
@@ -111,6 +124,7 @@ impl<M: LearnerModel> DdpLearner<M> {
             device,
             reducer,
             samplers: self.samplers,
+            checkpoints: self.checkpoints,
             failure: Arc::new(Mutex::new(None)),
         };
         Ok((Learner::new(model, self.optim, self.lr), strategy))

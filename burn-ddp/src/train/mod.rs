@@ -1,7 +1,8 @@
 //! Data-parallel training with burn-train (feature `train`): bucketing, gradient reduction, the
-//! start-up agreement, `DistributedSampler`, and the `DdpLearner` strategy.
+//! start-up agreement, `DistributedSampler`, checkpoints, and the `DdpLearner` strategy.
 
 mod bucket;
+mod checkpoint;
 mod gather;
 mod learner;
 mod params;
@@ -11,6 +12,7 @@ mod sampler;
 mod strategy;
 
 pub use bucket::{Bucket, BucketConfig, BucketPlan};
+pub use checkpoint::{CHECKPOINT_FILE, CheckpointConfig, Position, inspect_checkpoint};
 pub use gather::GlobalItem;
 pub use learner::{DdpLearner, DdpTraining};
 pub use params::{ParamInfo, broadcast_module, check_agreement, flat_parameters, layout};

@@ -144,14 +144,22 @@ impl GradientReducer {
 
         let mut reduced: Vec<Option<Tensor<1>>> = vec![None; flat.len()];
         let mut in_flight: Option<(usize, InFlight)> = None;
-        for b in 0..self.plan.buckets.len() {
+        let n = self.plan.buckets.len();
+        let status = self.group.status();
+        let finish = |b: usize, f: InFlight, reduced: &mut [Option<Tensor<1>>]| {
+            status.activity(Some(format!("waits for bucket {} of {n}", b + 1)));
+            let done = f.finish(&device);
+            status.activity(None);
+            self.unpack(b, done?, reduced)
+        };
+        for b in 0..n {
             let started = self.start(self.pack(b, &mut flat, &device))?;
             if let Some((prev, f)) = in_flight.replace((b, started)) {
-                self.unpack(prev, f.finish(&device)?, &mut reduced)?;
+                finish(prev, f, &mut reduced)?;
             }
         }
         if let Some((last, f)) = in_flight {
-            self.unpack(last, f.finish(&device)?, &mut reduced)?;
+            finish(last, f, &mut reduced)?;
         }
         model.visit(&mut Give {
             grads: &mut grads,
@@ -199,6 +207,7 @@ impl GradientReducer {
                     rank: self.group.rank(),
                     op: "NCCL all_reduce of a gradient bucket".into(),
                     cause: e.to_string(),
+                    ranks: self.group.status().report(),
                 }),
         }
     }

@@ -5,12 +5,20 @@
 //! positions `r, r + world, r + 2 * world, ...`. Every rank gets the same number of samples, so
 //! uneven datasets cannot leave one rank waiting in a collective, and the union of the ranks'
 //! i-th batches is the single-process i-th batch of the global batch size.
+//!
+//! Resuming mid-epoch ([`DistributedSampler::resume`]): the first `samples` positions of the
+//! epoch's order are skipped and the rest is padded and sharded as above, so with the same world
+//! size each rank continues exactly where it stopped, and with another world size the job sees
+//! the samples it had not seen yet.
 
 use std::marker::PhantomData;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
 use burn::data::dataset::{Dataset, DatasetError};
+
+/// An epoch and how many positions of its order are skipped.
+type Position = (usize, usize);
 
 /// Decides which samples each rank sees. Cloning shares the epoch counter.
 #[derive(Debug, Clone)]
@@ -21,6 +29,8 @@ pub struct DistributedSampler {
     shuffle: bool,
     drop_last: bool,
     epoch: Arc<AtomicUsize>,
+    /// Positions of the current epoch's order already consumed (by the whole job).
+    skip: Arc<AtomicUsize>,
 }
 
 fn splitmix(state: &mut u64) -> u64 {
@@ -45,6 +55,7 @@ impl DistributedSampler {
             shuffle: true,
             drop_last: false,
             epoch: Arc::new(AtomicUsize::new(0)),
+            skip: Arc::new(AtomicUsize::new(0)),
         }
     }
 
@@ -73,6 +84,13 @@ impl DistributedSampler {
 
     /// Selects the epoch (the learner calls it at the start of each epoch).
     pub fn set_epoch(&self, epoch: usize) {
+        self.resume(epoch, 0);
+    }
+
+    /// Selects `epoch`, of which the job already consumed the first `samples` positions
+    /// (the learner calls it when resuming from a checkpoint).
+    pub fn resume(&self, epoch: usize, samples: usize) {
+        self.skip.store(samples, Ordering::Release);
         self.epoch.store(epoch, Ordering::Release);
     }
 
@@ -90,12 +108,20 @@ impl DistributedSampler {
         }
     }
 
-    /// This rank's dataset indices for the current epoch, in order.
+    /// This rank's dataset indices for the current epoch (past the skipped part), in order.
     pub fn indices(&self, len: usize) -> Vec<usize> {
-        self.indices_for_epoch(len, self.epoch())
+        self.indices_for(len, self.position())
     }
 
-    fn indices_for_epoch(&self, len: usize, epoch: usize) -> Vec<usize> {
+    /// The current epoch and how many of its positions are skipped.
+    fn position(&self) -> Position {
+        (
+            self.epoch.load(Ordering::Acquire),
+            self.skip.load(Ordering::Acquire),
+        )
+    }
+
+    fn indices_for(&self, len: usize, (epoch, skip): Position) -> Vec<usize> {
         let mut order: Vec<usize> = (0..len).collect();
         if self.shuffle {
             let mut state = self.seed.wrapping_add(epoch as u64);
@@ -104,18 +130,19 @@ impl DistributedSampler {
                 order.swap(i, j);
             }
         }
-        let total = self.num_samples(len) * self.world_size;
-        if total <= len {
-            order.truncate(total);
+        let mut rest = order[skip.min(len)..].to_vec();
+        let total = self.num_samples(rest.len()) * self.world_size;
+        if total <= rest.len() {
+            rest.truncate(total);
         } else {
+            // Padding repeats the epoch's order from its start, as without a skip.
             let mut k = 0;
-            while order.len() < total {
-                order.push(order[k]);
+            while rest.len() < total {
+                rest.push(order[k % len]);
                 k += 1;
             }
         }
-        order
-            .into_iter()
+        rest.into_iter()
             .skip(self.rank)
             .step_by(self.world_size)
             .collect()
@@ -125,7 +152,6 @@ impl DistributedSampler {
     pub fn dataset<I, D: Dataset<I>>(&self, dataset: D) -> DistributedDataset<D, I> {
         DistributedDataset {
             sampler: self.clone(),
-            len: self.num_samples(dataset.len()),
             inner: dataset,
             cache: Mutex::new(None),
             _item: PhantomData,
@@ -138,20 +164,20 @@ impl DistributedSampler {
 pub struct DistributedDataset<D, I> {
     sampler: DistributedSampler,
     inner: D,
-    len: usize,
-    cache: Mutex<Option<(usize, Arc<Vec<usize>>)>>,
+    /// Indices of the last (epoch, skip) asked for.
+    cache: Mutex<Option<(Position, Arc<Vec<usize>>)>>,
     _item: PhantomData<fn() -> I>,
 }
 
 impl<D: Dataset<I>, I> DistributedDataset<D, I> {
     fn indices(&self) -> Arc<Vec<usize>> {
-        let epoch = self.sampler.epoch();
+        let position = self.sampler.position();
         let mut cache = self.cache.lock().unwrap_or_else(|p| p.into_inner());
         match &*cache {
-            Some((e, idx)) if *e == epoch => idx.clone(),
+            Some((p, idx)) if *p == position => idx.clone(),
             _ => {
-                let idx = Arc::new(self.sampler.indices_for_epoch(self.inner.len(), epoch));
-                *cache = Some((epoch, idx.clone()));
+                let idx = Arc::new(self.sampler.indices_for(self.inner.len(), position));
+                *cache = Some((position, idx.clone()));
                 idx
             }
         }
@@ -160,17 +186,21 @@ impl<D: Dataset<I>, I> DistributedDataset<D, I> {
 
 impl<D: Dataset<I>, I> Dataset<I> for DistributedDataset<D, I> {
     fn get(&self, index: usize) -> Result<I, DatasetError> {
-        match self.indices().get(index) {
+        let indices = self.indices();
+        match indices.get(index) {
             Some(i) => self.inner.get(*i),
             None => Err(DatasetError::new(std::io::Error::new(
                 std::io::ErrorKind::InvalidInput,
-                format!("index {index} is beyond this rank's {} samples", self.len),
+                format!(
+                    "index {index} is beyond this rank's {} samples",
+                    indices.len()
+                ),
             ))),
         }
     }
 
     fn len(&self) -> usize {
-        self.len
+        self.indices().len()
     }
 }
 
@@ -205,6 +235,50 @@ mod tests {
         assert_eq!(e0, s.indices(100), "same epoch, same order");
         let d = DistributedSampler::new(1, 3).drop_last(true);
         assert_eq!(d.indices(10).len(), 3);
+    }
+
+    #[test]
+    fn resuming_skips_what_the_job_consumed() {
+        for (len, world, drop_last) in [
+            (50usize, 3, false),
+            (50, 3, true),
+            (7, 2, false),
+            (2, 4, false),
+        ] {
+            let make = |r| {
+                DistributedSampler::new(r, world)
+                    .seed(4)
+                    .drop_last(drop_last)
+            };
+            for done in 0..=len.div_ceil(world) {
+                // Same world size: each rank continues with the rest of its own shard.
+                for r in 0..world {
+                    let s = make(r);
+                    s.set_epoch(2);
+                    let full = s.indices(len);
+                    s.resume(2, done * world);
+                    assert_eq!(s.indices(len), full[done.min(full.len())..], "rank {r}");
+                }
+            }
+            // Another world size: the new ranks share exactly what was not seen yet.
+            let old = DistributedSampler::new(0, 1).seed(4);
+            old.set_epoch(2);
+            let order = old.indices(len);
+            let done = 2 * world;
+            let resumed: Vec<usize> = (0..world + 1)
+                .flat_map(|r| {
+                    let s = DistributedSampler::new(r, world + 1).seed(4);
+                    s.resume(2, done.min(len));
+                    s.indices(len)
+                })
+                .collect();
+            let mut want: Vec<usize> = order[done.min(len)..].to_vec();
+            let mut got = resumed.clone();
+            got.sort();
+            got.dedup();
+            want.sort();
+            assert_eq!(got, want);
+        }
     }
 
     #[test]

@@ -17,11 +17,13 @@ use burn::train::{
     TrainingComponents, TrainingItem, ValidLoader,
 };
 
+use super::checkpoint::{self, CheckpointConfig, Position, Snapshot};
 use super::gather::{GlobalItem, PendingItem};
 use super::reducer::GradientReducer;
 use super::sampler::DistributedSampler;
 use crate::ProcessGroup;
 use crate::error::{DdpError, Result};
+use crate::status::Phase;
 
 /// The custom strategy `DdpLearner` installs. Errors of collectives stop training on every
 /// rank and are handed back through `failure`.
@@ -30,6 +32,7 @@ pub(crate) struct DdpStrategy {
     pub device: Device,
     pub reducer: GradientReducer,
     pub samplers: Vec<DistributedSampler>,
+    pub checkpoints: Option<CheckpointConfig>,
     pub failure: Arc<Mutex<Option<DdpError>>>,
 }
 
@@ -69,7 +72,11 @@ impl DdpStrategy {
 
     /// Rank 0's decision, on every rank (stop flags, early stopping).
     fn agree(&self, flag: bool) -> Result<bool> {
-        Ok(self.group.broadcast(vec![flag as u8], 0).wait()?[0] != 0)
+        let status = self.group.status();
+        status.activity(Some("agreeing on rank 0's stop decision".into()));
+        let stop = self.group.broadcast(vec![flag as u8], 0).wait()?[0] != 0;
+        status.activity(None);
+        Ok(stop)
     }
 
     /// Runs one split: `step` turns a batch into its output (and the learning rate used); each
@@ -78,15 +85,23 @@ impl DdpStrategy {
         &self,
         loader: &Arc<dyn DataLoader<I>>,
         device: &Device,
-        mut step: impl FnMut(I, &Progress) -> Result<(T, Option<ModuleLearningRate>)>,
+        first_iteration: usize,
+        mut step: impl FnMut(I, &Progress, usize) -> Result<(T, Option<ModuleLearningRate>)>,
         mut process: impl FnMut(LearnerEvent<T>) -> std::result::Result<(), EventProcessorError>,
         interrupter: &Interrupter,
     ) -> Result<()> {
         let world = self.group.world_size();
         let mut iterator = loader.iter();
-        let mut iteration = 0;
+        let mut iteration = first_iteration;
         let mut pending: Option<Report<T>> = None;
-        while let Some(item) = iterator.next() {
+        let status = self.group.status();
+        loop {
+            status.activity(Some("loading a batch".into()));
+            let Some(item) = iterator.next() else {
+                status.activity(None);
+                break;
+            };
+            status.activity(None);
             // A rank cannot skip a batch alone: its error ends training here, and the other
             // ranks learn of it from the collectives.
             let item = item.map_err(|e| DdpError::Data {
@@ -94,8 +109,9 @@ impl DdpStrategy {
                 reason: e.to_string(),
             })?;
             iteration += 1;
+            status.step(iteration);
             let progress = iterator.progress();
-            let (output, lr) = step(item, &progress)?;
+            let (output, lr) = step(item, &progress, iteration)?;
             let report = Report {
                 item: PendingItem::start(output, &self.group)?,
                 progress: global(progress, world),
@@ -105,7 +121,9 @@ impl DdpStrategy {
             if let Some(previous) = pending.replace(report) {
                 self.report(previous, device, &mut process, interrupter)?;
             }
-            if iteration % STOP_CHECK_INTERVAL == 0 && self.agree(interrupter.should_stop())? {
+            if iteration.is_multiple_of(STOP_CHECK_INTERVAL)
+                && self.agree(interrupter.should_stop())?
+            {
                 break;
             }
         }
@@ -115,12 +133,15 @@ impl DdpStrategy {
         Ok(())
     }
 
+    #[allow(clippy::too_many_arguments)]
     fn train_epoch<M>(
         &self,
         learner: &mut Learner<M>,
         loader: &TrainLoader<M>,
+        from: Position,
         accumulation: Option<usize>,
         processor: &mut SupervisedTrainingEventProcessor<M>,
+        events: &EventStoreClient,
         interrupter: &Interrupter,
     ) -> Result<()>
     where
@@ -129,7 +150,9 @@ impl DdpStrategy {
     {
         let mut accumulator = GradientsAccumulator::new();
         let mut micro = 0;
-        let step = |item, progress: &Progress| {
+        let world = self.group.world_size();
+        let every = self.checkpoints.as_ref().and_then(|c| c.every_steps);
+        let step = |item, progress: &Progress, iteration: usize| {
             let out = learner.train_step(item);
             let grads = match accumulation {
                 Some(k) => {
@@ -147,11 +170,30 @@ impl DdpStrategy {
                 let grads = self.reducer.reduce(&learner.model(), grads)?;
                 learner.lr_step();
                 learner.optimizer_step(grads);
+                // Optimizer steps of the epoch so far; the epoch's end has its own checkpoint.
+                let steps = iteration / accumulation.unwrap_or(1);
+                if every.is_some_and(|n| steps.is_multiple_of(n)) && !progress.is_completed() {
+                    let at = Position {
+                        epoch: from.epoch,
+                        batches: iteration,
+                        samples: from.samples + progress.items_processed * world,
+                        world_size: world,
+                    };
+                    self.checkpoint(learner, at, events)?;
+                    self.group.status().step(iteration);
+                }
             }
             Ok((out.item, Some(learner.lr_current())))
         };
         let process = |event| processor.process_train(event);
-        self.run_split(loader, &self.device, step, process, interrupter)
+        self.run_split(
+            loader,
+            &self.device,
+            from.batches,
+            step,
+            process,
+            interrupter,
+        )
     }
 
     fn valid_epoch<M>(
@@ -166,15 +208,79 @@ impl DdpStrategy {
         <M as InferenceStep>::Output: GlobalItem,
     {
         let model = learner.model().valid();
-        let step = |item, _: &Progress| Ok((InferenceStep::step(&model, item), None));
+        let step = |item, _: &Progress, _| Ok((InferenceStep::step(&model, item), None));
         let process = |event| processor.process_valid(event);
         self.run_split(
             loader,
             &self.device.clone().inner(),
+            0,
             step,
             process,
             interrupter,
         )
+    }
+
+    /// Writes a checkpoint (rank 0) at `at`; every rank learns whether it worked.
+    fn checkpoint<M: LearnerModel>(
+        &self,
+        learner: &Learner<M>,
+        at: Position,
+        events: &EventStoreClient,
+    ) -> Result<()> {
+        let Some(config) = &self.checkpoints else {
+            return Ok(());
+        };
+        let status = self.group.status();
+        let phase = status.current().phase;
+        status.enter(Phase::Checkpointing, Some(at.epoch));
+        if at.batches > 0 {
+            status.step(at.batches);
+        }
+        let timeout = self.group.options().timeout;
+        let snapshot = self
+            .is_main()
+            .then(|| Snapshot::take(learner, at, events, timeout));
+        checkpoint::save(&self.group, config, snapshot)?;
+        status.enter(phase, Some(at.epoch));
+        Ok(())
+    }
+
+    /// Loads the checkpoint, if configured and present: where to continue from.
+    fn resume<M: LearnerModel>(&self, learner: &mut Learner<M>) -> Result<Option<Position>> {
+        let Some(config) = &self.checkpoints else {
+            return Ok(None);
+        };
+        self.group.status().enter(Phase::Resuming, None);
+        let Some(snapshot) = checkpoint::load(&self.group, config)? else {
+            return Ok(None);
+        };
+        snapshot
+            .restore(learner)
+            .map_err(|reason| DdpError::Checkpoint {
+                rank: self.group.rank(),
+                reason,
+            })?;
+        let p = snapshot.position;
+        if self.is_main() {
+            log::info!(
+                "resuming from {}: epoch {}, after {} batches ({} samples) written by {} ranks",
+                config.path().display(),
+                p.epoch,
+                p.batches,
+                p.samples,
+                p.world_size
+            );
+            if p.world_size != self.group.world_size() {
+                log::warn!(
+                    "the checkpoint was written by {} ranks, this job has {}: epoch {} continues \
+                     with the samples not seen yet, and the global batch changes",
+                    p.world_size,
+                    self.group.world_size(),
+                    p.epoch
+                );
+            }
+        }
+        Ok(Some(p))
     }
 
     /// Completes a step's gather and, on rank 0, hands the global output to burn-train.
@@ -198,7 +304,7 @@ impl DdpStrategy {
         learner: &mut Learner<M>,
         train: TrainLoader<M>,
         valid: ValidLoader<M>,
-        starting_epoch: usize,
+        start: Position,
     ) -> Result<()>
     where
         M: LearnerModel,
@@ -212,10 +318,20 @@ impl DdpStrategy {
         let valid = valid.to_device(&self.device.clone().inner());
         let (train_items, valid_items) = (train.num_items() * world, valid.num_items() * world);
         learner.fork(&self.device);
-        for epoch in starting_epoch..=loop_.num_epochs {
+        let status = self.group.status();
+        for epoch in start.epoch..=loop_.num_epochs {
+            let from = if epoch == start.epoch {
+                start
+            } else {
+                Position {
+                    epoch,
+                    ..Position::default()
+                }
+            };
             for s in &self.samplers {
-                s.set_epoch(epoch);
+                s.resume(epoch, from.samples);
             }
+            status.enter(Phase::Training, Some(epoch));
             if self.is_main() {
                 interrupter.fail_on_error(processor.process_train(LearnerEvent::StartSplit {
                     epoch_number: epoch,
@@ -225,8 +341,10 @@ impl DdpStrategy {
             self.train_epoch(
                 learner,
                 &train,
+                from,
                 loop_.grad_accumulation,
                 processor,
+                &loop_.event_store,
                 &interrupter,
             )?;
             if self.is_main() {
@@ -235,6 +353,7 @@ impl DdpStrategy {
             if self.agree(interrupter.should_stop())? {
                 break;
             }
+            status.enter(Phase::Validation, Some(epoch));
             if self.is_main() {
                 interrupter.fail_on_error(processor.process_valid(LearnerEvent::StartSplit {
                     epoch_number: epoch,
@@ -242,6 +361,7 @@ impl DdpStrategy {
                 }));
             }
             self.valid_epoch(learner, &valid, processor, &interrupter)?;
+            status.enter(Phase::Checkpointing, Some(epoch));
             let mut stop = false;
             if self.is_main() {
                 interrupter.fail_on_error(processor.process_valid(LearnerEvent::EndSplit(epoch)));
@@ -257,11 +377,18 @@ impl DdpStrategy {
                 }
                 stop |= interrupter.should_stop();
             }
+            let next = Position {
+                epoch: epoch + 1,
+                world_size: world,
+                ..Position::default()
+            };
+            self.checkpoint(learner, next, &loop_.event_store)?;
             // Everyone waits for rank 0's checkpoint and follows its decision.
             if self.agree(stop)? {
                 break;
             }
         }
+        status.enter(Phase::Finished, None);
         Ok(())
     }
 }
@@ -292,7 +419,14 @@ where
         valid: ValidLoader<M>,
         mut components: TrainingComponents<M>,
     ) -> LearningResult<M> {
-        let starting_epoch = components.checkpoint.unwrap_or(0) + 1;
+        let mut learner = learner;
+        let fresh = Position {
+            epoch: components.checkpoint.unwrap_or(0) + 1,
+            ..Position::default()
+        };
+        // A checkpoint of this run, if configured and present, decides where training goes on.
+        let start = self.resume(&mut learner).map(|p| p.unwrap_or(fresh));
+        let starting_epoch = start.as_ref().map_or(fresh.epoch, |p| p.epoch);
         let summary_config = components.summary.clone();
         let interrupter = components.interrupter.clone();
         if self.is_main() {
@@ -304,7 +438,7 @@ where
                 },
             ));
         }
-        let (model, mut processor) = self.fit(components, learner, train, valid, starting_epoch);
+        let (model, mut processor) = self.fit_from(components, learner, train, valid, start);
         if self.is_main() {
             // burn-train's summary names the model through a crate-private setter.
             let summary = summary_config.and_then(|summary| summary.init().ok());
@@ -322,11 +456,34 @@ where
     fn fit(
         &self,
         components: TrainingComponents<M>,
-        mut learner: Learner<M>,
+        learner: Learner<M>,
         train: TrainLoader<M>,
         valid: ValidLoader<M>,
         starting_epoch: usize,
     ) -> (M, SupervisedTrainingEventProcessor<M>) {
+        let start = Position {
+            epoch: starting_epoch,
+            ..Position::default()
+        };
+        self.fit_from(components, learner, train, valid, Ok(start))
+    }
+}
+
+impl DdpStrategy {
+    /// The epoch loop from `start` (or the error that prevents training).
+    fn fit_from<M>(
+        &self,
+        components: TrainingComponents<M>,
+        mut learner: Learner<M>,
+        train: TrainLoader<M>,
+        valid: ValidLoader<M>,
+        start: Result<Position>,
+    ) -> (M, SupervisedTrainingEventProcessor<M>)
+    where
+        M: LearnerModel,
+        <M as TrainStep>::Output: GlobalItem,
+        <M as InferenceStep>::Output: GlobalItem,
+    {
         let mut loop_ = EpochLoop {
             num_epochs: components.num_epochs,
             grad_accumulation: components.grad_accumulation,
@@ -336,7 +493,9 @@ where
             early_stopping: components.early_stopping,
             event_store: components.event_store,
         };
-        if let Err(e) = self.run(&mut loop_, &mut learner, train, valid, starting_epoch) {
+        let outcome =
+            start.and_then(|start| self.run(&mut loop_, &mut learner, train, valid, start));
+        if let Err(e) = outcome {
             self.fail(&loop_.interrupter, e);
         }
         (learner.model(), loop_.processor)

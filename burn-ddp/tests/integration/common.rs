@@ -3,6 +3,7 @@
 use std::hash::Hasher;
 use std::time::Duration;
 
+use burn_ddp::secret::JobSecret;
 use burn_ddp::store::StoreServer;
 use burn_ddp::{GroupOptions, ProcessGroup, Reduce};
 use half::{bf16, f16};
@@ -23,18 +24,32 @@ pub fn run_world<T: Send>(
     opts: GroupOptions,
     f: impl Fn(ProcessGroup) -> T + Sync,
 ) -> Vec<T> {
-    let server = StoreServer::bind("127.0.0.1:0").expect("store");
+    run_world_with_secret(n, opts, None, f)
+}
+
+/// As [`run_world`], with a job secret the store and every rank use.
+pub fn run_world_with_secret<T: Send>(
+    n: usize,
+    opts: GroupOptions,
+    secret: Option<JobSecret>,
+    f: impl Fn(ProcessGroup) -> T + Sync,
+) -> Vec<T> {
+    let server = StoreServer::bind_with_secret("127.0.0.1:0", secret.clone()).expect("store");
     let port = server.local_addr().port();
     std::thread::scope(|s| {
         let handles: Vec<_> = (0..n)
             .map(|rank| {
-                let (f, opts) = (&f, opts.clone());
+                let (f, opts, secret) = (&f, opts.clone(), secret.clone());
                 s.spawn(move || {
-                    let group = ProcessGroup::builder(rank, n)
+                    let mut builder = ProcessGroup::builder(rank, n)
                         .master_addr("127.0.0.1")
                         .master_port(port)
                         .host_store(false)
-                        .options(opts)
+                        .options(opts);
+                    if let Some(secret) = secret {
+                        builder = builder.secret(secret);
+                    }
+                    let group = builder
                         .build()
                         .unwrap_or_else(|e| panic!("rank {rank} could not join: {e}"));
                     f(group)

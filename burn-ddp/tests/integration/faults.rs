@@ -2,6 +2,7 @@
 
 use std::time::{Duration, Instant};
 
+use burn_ddp::status::Phase;
 use burn_ddp::{DdpError, ProcessGroup, ReduceOp};
 use half::f16;
 
@@ -156,4 +157,36 @@ fn rank_zero_may_start_last() {
         handles.into_iter().map(|h| h.join().unwrap()).collect()
     });
     assert_eq!(sums, vec![3.0; 3]);
+}
+
+#[test]
+fn a_timeout_report_says_where_every_rank_is() {
+    let timeout = Duration::from_millis(1500);
+    let mut opts = options(1);
+    opts.timeout = timeout;
+    let errors = run_world(3, opts, |g| {
+        let status = g.status();
+        if g.rank() == 1 {
+            // Stuck in validation while the others all-reduce gradients.
+            status.enter(Phase::Validation, Some(2));
+            status.step(118);
+            std::thread::sleep(timeout * 3);
+            return None;
+        }
+        status.enter(Phase::Training, Some(2));
+        status.step(118);
+        status.activity(Some("waits for bucket 4 of 7".into()));
+        let e = g
+            .all_reduce(vec![0.5f32; 1000], ReduceOp::Avg)
+            .wait()
+            .unwrap_err();
+        Some(e.to_string())
+    });
+    for e in errors.into_iter().flatten() {
+        assert!(e.contains("rank 1: validation, epoch 2, step 118"), "{e}");
+        assert!(
+            e.contains("training, epoch 2, step 118, waits for bucket 4 of 7"),
+            "{e}"
+        );
+    }
 }

@@ -5,5 +5,6 @@ mod common;
 mod env;
 mod faults;
 mod processes;
+mod security;
 mod store;
 mod train;

@@ -6,8 +6,17 @@ use std::process::{Child, Command, Stdio};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
+use std::sync::Arc;
+
+use burn_ddp::env::AGENT_STORE_VAR;
 use burn_ddp::launch::{LaunchConfig, free_port, launch};
+use burn_ddp::status::{PUBLISH_INTERVAL, Phase, RankStatus, status_key};
+use burn_ddp::store::StoreServer;
+use burn_ddp::train::{CheckpointConfig, inspect_checkpoint};
 use burn_ddp::{DdpError, ProcessGroup, ReduceOp};
+
+use crate::common::digest;
+use crate::train::{Job, fresh_net, seeded_net, train_rank};
 
 const ENTRY: &str = "processes::rank_process";
 /// Exit code of a rank whose collective failed as expected.
@@ -18,6 +27,10 @@ const COLLECTIVE_FAILED: i32 = 3;
 #[ignore = "entry point of the rank processes the other tests start"]
 fn rank_process() {
     let scenario = std::env::var("BDDP_TEST_SCENARIO").unwrap_or_default();
+    if std::env::var("BDDP_DIE_BEFORE_JOIN").is_ok() {
+        eprintln!("DYING before joining");
+        std::process::exit(9);
+    }
     let group = match ProcessGroup::from_env() {
         Ok(g) => g,
         Err(e) => {
@@ -57,12 +70,39 @@ fn rank_process() {
         // them), then would all-reduce.
         "fail_rank_1" => {
             if rank == 1 {
+                group.status().enter(Phase::Training, Some(1));
+                group.status().step(5);
+                std::thread::sleep(PUBLISH_INTERVAL * 3);
                 std::process::exit(7);
             }
             std::thread::sleep(Duration::from_secs(60));
             if let Err(e) = group.all_reduce(vec![0f32; 10], ReduceOp::Sum).wait() {
                 eprintln!("RANK_ERROR: {e}");
                 std::process::exit(COLLECTIVE_FAILED);
+            }
+        }
+        // DdpLearner training of the test model; checkpoints, ballast and dying come from the
+        // environment.
+        "train" => {
+            let var = |k: &str| std::env::var(k).ok();
+            let checkpoints = var("BDDP_CKPT_DIR").map(|dir| {
+                let every = var("BDDP_CKPT_EVERY").map_or(0, |v| v.parse().unwrap());
+                CheckpointConfig::new(dir).every(every)
+            });
+            let ballast = var("BDDP_BALLAST").map_or(0, |v| v.parse().unwrap());
+            let job = Job {
+                world: group.world_size(),
+                checkpoints,
+                fail_at: None,
+                count: None,
+            };
+            let model = if rank == 0 { seeded_net() } else { fresh_net() };
+            match train_rank(Arc::new(group), model, &job, ballast) {
+                Ok(params) => println!("TRAINED {}", digest(bytemuck::cast_slice(&params))),
+                Err(e) => {
+                    eprintln!("RANK_ERROR: {e}");
+                    std::process::exit(COLLECTIVE_FAILED);
+                }
             }
         }
         other => panic!("unknown scenario {other:?}"),
@@ -202,6 +242,7 @@ fn a_rank_killed_mid_all_reduce_is_named_by_every_other_rank() {
             "rank {r}: {line}"
         );
         assert!(line.contains("all_reduce #"), "rank {r}: {line}");
+        assert!(line.contains("where the ranks were: "), "rank {r}: {line}");
     }
 }
 
@@ -217,6 +258,10 @@ fn the_launcher_names_the_rank_that_failed_first_and_stops_the_others() {
         Err(DdpError::RankFailed { rank, status }) => {
             assert_eq!(rank, 1, "{status}");
             assert!(status.contains("code 7"), "{status}");
+            assert!(
+                status.contains("it last reported: training, epoch 1, step 5"),
+                "{status}"
+            );
         }
         other => panic!("expected rank 1 to be named, got {other:?}"),
     }
@@ -225,4 +270,132 @@ fn the_launcher_names_the_rank_that_failed_first_and_stops_the_others() {
         "{:?}",
         start.elapsed()
     );
+}
+
+/// Ranks of the `train` scenario with a store served by the test (as the launcher's agent
+/// store), so that the ranks' status reports outlive any rank; `extra` sets per-rank variables.
+fn training_job(
+    world: usize,
+    env: &[(&str, String)],
+    extra: impl Fn(usize) -> Vec<(&'static str, String)>,
+) -> (StoreServer, Ranks) {
+    let store = StoreServer::bind("127.0.0.1:0").unwrap();
+    let port = store.local_addr().port();
+    let ranks = (0..world)
+        .map(|r| {
+            let mut cmd = rank_command("train", r, world, port);
+            cmd.env(AGENT_STORE_VAR, "1");
+            for (k, v) in env.iter().cloned().chain(extra(r)) {
+                cmd.env(k, v);
+            }
+            cmd.spawn().unwrap()
+        })
+        .collect();
+    (store, Ranks(ranks))
+}
+
+/// The `RANK_ERROR` line of a rank's stderr.
+fn rank_error(err: &str) -> &str {
+    err.lines()
+        .find(|l| l.contains("RANK_ERROR"))
+        .unwrap_or_default()
+}
+
+#[test]
+fn a_rank_that_dies_before_joining_is_named_within_the_rendezvous_timeout() {
+    let timeout = Duration::from_secs(3);
+    let env = [("BURN_DDP_RENDEZVOUS_TIMEOUT", timeout.as_secs().to_string())];
+    let start = Instant::now();
+    let (_store, mut ranks) = training_job(3, &env, |r| {
+        if r == 1 {
+            vec![("BDDP_DIE_BEFORE_JOIN", "1".to_string())]
+        } else {
+            vec![]
+        }
+    });
+    for r in [0, 2] {
+        let (code, err) = finish(&mut ranks.0[r], start + timeout * 3);
+        assert_eq!(code, Some(COLLECTIVE_FAILED), "rank {r}: {err}");
+        assert!(err.contains("ranks [1] did not join"), "rank {r}: {err}");
+    }
+    assert!(start.elapsed() < timeout * 2, "{:?}", start.elapsed());
+}
+
+#[test]
+fn a_rank_that_dies_in_its_forward_pass_is_named_with_where_it_was() {
+    let timeout = Duration::from_secs(5);
+    let env = [("BURN_DDP_TIMEOUT", timeout.as_secs().to_string())];
+    let (_store, mut ranks) = training_job(3, &env, |r| {
+        if r == 1 {
+            vec![("BDDP_DIE_AT_FORWARD", "3".to_string())]
+        } else {
+            vec![]
+        }
+    });
+    let (code, err) = finish(&mut ranks.0[1], Instant::now() + Duration::from_secs(120));
+    assert_eq!(code, Some(9), "{err}");
+    let died = Instant::now();
+    for r in [0, 2] {
+        let (code, err) = finish(&mut ranks.0[r], died + timeout * 2);
+        let line = rank_error(&err);
+        assert_eq!(code, Some(COLLECTIVE_FAILED), "rank {r}: {err}");
+        assert!(
+            line.contains("rank 1 closed its connection"),
+            "rank {r}: {line}"
+        );
+        assert!(
+            line.contains("rank 1: training, epoch 1, step 3"),
+            "rank {r}: {line}"
+        );
+    }
+}
+
+#[test]
+fn rank_0_killed_while_writing_a_checkpoint_leaves_the_previous_one_and_is_named() {
+    let dir = std::env::temp_dir().join(format!("burn-ddp-kill-ckpt-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let file = CheckpointConfig::new(&dir).path();
+    let timeout = Duration::from_secs(5);
+    let env = [
+        ("BURN_DDP_TIMEOUT", timeout.as_secs().to_string()),
+        ("BDDP_CKPT_DIR", dir.display().to_string()),
+        ("BDDP_CKPT_EVERY", "1".to_string()),
+        // 64 MiB of frozen parameters: each checkpoint takes a while to write.
+        ("BDDP_BALLAST", (16 << 20).to_string()),
+    ];
+    let (store, mut ranks) = training_job(2, &env, |_| vec![]);
+    // Once a checkpoint exists, kill rank 0 in the middle of writing the next one.
+    let give_up = Instant::now() + Duration::from_secs(300);
+    loop {
+        let phase = store
+            .value(&status_key(0))
+            .and_then(|raw| RankStatus::from_bytes(&raw))
+            .map(|s| s.phase);
+        if file.exists() && phase == Some(Phase::Checkpointing) {
+            break;
+        }
+        assert!(Instant::now() < give_up, "rank 0 never checkpointed twice");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    ranks.0[0].kill().unwrap();
+    let killed = Instant::now();
+    let (code, err) = finish(&mut ranks.0[1], killed + timeout * 2);
+    let line = rank_error(&err);
+    assert_eq!(code, Some(COLLECTIVE_FAILED), "{err}");
+    assert!(line.contains("rank 0 closed its connection"), "{line}");
+    assert!(line.contains("rank 0: checkpointing, epoch"), "{line}");
+    // The previous checkpoint is whole, and a new job resumes from it to the end.
+    let at = inspect_checkpoint(&file).unwrap();
+    assert!(at.epoch >= 1 && at.world_size == 2, "{at:?}");
+    let (_store, mut again) = training_job(2, &env, |_| vec![]);
+    for (r, child) in again.0.iter_mut().enumerate() {
+        let (code, err) = finish(child, Instant::now() + Duration::from_secs(300));
+        assert_eq!(code, Some(0), "resumed rank {r}: {err}");
+    }
+    let done = inspect_checkpoint(&file).unwrap();
+    assert!(
+        done.epoch > at.epoch || done.batches > at.batches,
+        "{done:?} after {at:?}"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
 }

@@ -122,7 +122,14 @@ fn garbage_and_absurd_frames_do_not_hurt_the_server() {
     c.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
     let _ = c.read_to_end(&mut buf);
     assert!(buf.is_empty(), "the server answered a stranger");
-    // Right hello, then a 4 GiB frame length, then garbage bodies.
+    // Right hello, then a 4 GiB secret length: the server hangs up.
+    let mut c = TcpStream::connect(addr).unwrap();
+    c.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    c.write_all(b"burn-ddp store v2\xff\xff\xff\xff").unwrap();
+    let mut rest = Vec::new();
+    let _ = c.read_to_end(&mut rest);
+    assert!(rest.is_empty(), "answered an absurd secret: {rest:?}");
+    // Right hello and (empty) secret, then a 4 GiB frame length, then garbage bodies.
     for body in [
         vec![0xff, 0xff, 0xff, 0xff],
         vec![3, 0, 0, 0, 99, 1, 2],
@@ -130,9 +137,14 @@ fn garbage_and_absurd_frames_do_not_hurt_the_server() {
     ] {
         let mut c = TcpStream::connect(addr).unwrap();
         c.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
-        c.write_all(b"burn-ddp store v1").unwrap();
-        let mut hello = [0u8; 17];
+        c.write_all(b"burn-ddp store v2\0\0\0\0").unwrap();
+        let mut hello = [0u8; 17 + 4];
         c.read_exact(&mut hello).unwrap();
+        assert_eq!(
+            &hello[17..],
+            &[0, 0, 0, 0],
+            "admitted with an empty verdict"
+        );
         c.write_all(&body).unwrap();
         let mut rest = Vec::new();
         let _ = c.read_to_end(&mut rest); // an error answer or a close, never a hang

@@ -1,15 +1,17 @@
 //! Data-parallel training against single-process training: same data, seed and SGD; world
 //! sizes 2 and 3 with per-rank batch b against one process with batch world * b.
 
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
 use burn::data::dataloader::DataLoaderBuilder;
 use burn::data::dataloader::batcher::Batcher;
 use burn::data::dataset::{Dataset, DatasetError};
-use burn::module::Module;
+use burn::module::{Module, Param};
 use burn::nn::loss::CrossEntropyLossConfig;
 use burn::nn::{Linear, LinearConfig, Relu};
-use burn::optim::SgdConfig;
+use burn::optim::lr_scheduler::linear::LinearLrSchedulerConfig;
+use burn::optim::{AdamConfig, SgdConfig};
 use burn::tensor::{Device, Int, Tensor, TensorData};
 use burn::train::metric::LossMetric;
 use burn::train::{
@@ -17,8 +19,9 @@ use burn::train::{
 };
 use burn_ddp::ProcessGroup;
 use burn_ddp::train::{
-    BucketConfig, DdpLearner, DdpTraining, DistributedSampler, GradientReducer, QuietRenderer,
-    broadcast_module, flat_parameters,
+    BucketConfig, CHECKPOINT_FILE, CheckpointConfig, DdpLearner, DdpTraining, DistributedDataset,
+    DistributedSampler, GradientReducer, QuietRenderer, broadcast_module, flat_parameters,
+    inspect_checkpoint,
 };
 
 use crate::common::{digest, options, run_world, value};
@@ -27,7 +30,7 @@ const FEATURES: usize = 6;
 const CLASSES: usize = 3;
 
 #[derive(Clone)]
-struct Points(usize);
+pub(crate) struct Points(pub usize);
 
 impl Dataset<(Vec<f32>, usize)> for Points {
     fn get(&self, i: usize) -> Result<(Vec<f32>, usize), DatasetError> {
@@ -43,7 +46,7 @@ impl Dataset<(Vec<f32>, usize)> for Points {
 }
 
 #[derive(Clone, Debug)]
-struct Batch {
+pub(crate) struct Batch {
     x: Tensor<2>,
     y: Tensor<1, Int>,
     /// Whether the `extra` layer takes part (data-dependent, differs across ranks).
@@ -51,7 +54,7 @@ struct Batch {
 }
 
 #[derive(Clone)]
-struct ToBatch;
+pub(crate) struct ToBatch;
 
 impl Batcher<(Vec<f32>, usize), Batch> for ToBatch {
     fn batch(&self, items: Vec<(Vec<f32>, usize)>, device: &Device) -> Batch {
@@ -68,25 +71,45 @@ impl Batcher<(Vec<f32>, usize), Batch> for ToBatch {
 }
 
 #[derive(Module, Debug)]
-struct Net {
+pub(crate) struct Net {
     hidden: Linear,
     out: Linear,
     /// Used only by some batches: its parameters get no gradient in some steps.
     extra: Option<Linear>,
+    /// A large frozen tensor, to make checkpoints slow to write (process tests).
+    ballast: Option<Param<Tensor<1>>>,
     act: Relu,
 }
 
+/// Forward passes so far in this process (for the die-in-forward hook of process tests).
+static FORWARDS: AtomicUsize = AtomicUsize::new(0);
+
 impl Net {
-    fn new(device: &Device, with_extra: bool) -> Self {
+    pub(crate) fn new(device: &Device, with_extra: bool) -> Self {
         Net {
             hidden: LinearConfig::new(FEATURES, 16).init(device),
             out: LinearConfig::new(16, CLASSES).init(device),
             extra: with_extra.then(|| LinearConfig::new(16, CLASSES).init(device)),
+            ballast: None,
             act: Relu::new(),
         }
     }
 
+    /// Adds `n` frozen values to the model.
+    pub(crate) fn with_ballast(mut self, n: usize, device: &Device) -> Self {
+        let t = Tensor::<1>::ones([n], device);
+        self.ballast = Some(Param::from_tensor(t).set_require_grad(false));
+        self
+    }
+
     fn forward(&self, b: Batch) -> ClassificationOutput {
+        // Process tests make one rank die in its n-th forward pass (after publishing where it is).
+        let n = FORWARDS.fetch_add(1, Ordering::Relaxed) + 1;
+        if std::env::var("BDDP_DIE_AT_FORWARD").is_ok_and(|v| v == n.to_string()) {
+            std::thread::sleep(std::time::Duration::from_millis(400));
+            eprintln!("DYING in forward pass {n}");
+            std::process::exit(9);
+        }
         let h = self.act.forward(self.hidden.forward(b.x));
         let mut logits = self.out.forward(h.clone());
         if let (Some(extra), true) = (&self.extra, b.use_extra) {
@@ -380,8 +403,14 @@ fn ranks_with_different_models_or_settings_stop_naming_the_difference() {
                 .to_string()
         };
         // Rank 1 has an extra layer, then a different batch size.
-        let model_error = launch(Net::new(&device, rank == 1), 4);
-        let setting_error = launch(Net::new(&device, false), 4 + rank);
+        let model = |extra| {
+            let _guard = SEED_LOCK.lock().unwrap_or_else(|p| p.into_inner());
+            let net = Net::new(&device, extra);
+            flat_parameters(&net);
+            net
+        };
+        let model_error = launch(model(rank == 1), 4);
+        let setting_error = launch(model(false), 4 + rank);
         (model_error, setting_error)
     });
     for (model_error, setting_error) in errors {
@@ -397,4 +426,218 @@ fn ranks_with_different_models_or_settings_stop_naming_the_difference() {
             "{setting_error}"
         );
     }
+}
+
+/// A model with whatever weights, initialised now under the seed lock (burn initialises lazily,
+/// drawing from the device generator other test threads seed).
+pub(crate) fn fresh_net() -> Net {
+    let device = &Device::flex().autodiff();
+    let _guard = SEED_LOCK.lock().unwrap_or_else(|p| p.into_inner());
+    let net = Net::new(device, false);
+    flat_parameters(&net);
+    net
+}
+
+/// A dataset that fails at one position of one epoch (a crash stand-in that hits every rank at
+/// the same step) and counts the samples read in another epoch.
+pub(crate) struct Probe {
+    inner: DistributedDataset<Points, (Vec<f32>, usize)>,
+    sampler: DistributedSampler,
+    fail_at: Option<(usize, usize)>,
+    count: Option<(usize, Arc<AtomicUsize>)>,
+}
+
+impl Dataset<(Vec<f32>, usize)> for Probe {
+    fn get(&self, i: usize) -> Result<(Vec<f32>, usize), DatasetError> {
+        let epoch = self.sampler.epoch();
+        if self.fail_at == Some((epoch, i)) {
+            return Err(DatasetError::new(std::io::Error::other("simulated crash")));
+        }
+        if let Some((e, n)) = &self.count
+            && *e == epoch
+        {
+            n.fetch_add(1, Ordering::Relaxed);
+        }
+        self.inner.get(i)
+    }
+    fn len(&self) -> usize {
+        self.inner.len()
+    }
+}
+
+/// A training job for the checkpoint tests: Adam and a linear learning-rate schedule, so that
+/// optimizer and schedule state matter on resume.
+pub(crate) struct Job {
+    pub world: usize,
+    pub checkpoints: Option<CheckpointConfig>,
+    pub fail_at: Option<(usize, usize)>,
+    pub count: Option<(usize, Arc<AtomicUsize>)>,
+}
+
+const JOB_EPOCHS: usize = 3;
+
+fn run_job(job: &Job) -> Vec<Result<Vec<f32>, String>> {
+    let net = Mutex::new(Some(seeded_net()));
+    run_world(job.world, options(60), |group: ProcessGroup| {
+        // Rank 0's model is broadcast to the others.
+        let model = match group.rank() {
+            0 => net.lock().unwrap().take().unwrap(),
+            _ => fresh_net(),
+        };
+        train_rank(Arc::new(group), model, job, 0)
+    })
+}
+
+/// The seed-7 model every job starts from.
+pub(crate) fn seeded_net() -> Net {
+    let device = Device::flex().autodiff();
+    let _guard = SEED_LOCK.lock().unwrap_or_else(|p| p.into_inner());
+    device.seed(7);
+    let net = Net::new(&device, false);
+    flat_parameters(&net);
+    net
+}
+
+/// One rank of a [`Job`] (a thread of [`run_job`] or a process of the process tests); `ballast`
+/// adds that many frozen values to the model.
+pub(crate) fn train_rank(
+    group: Arc<ProcessGroup>,
+    model: Net,
+    job: &Job,
+    ballast: usize,
+) -> Result<Vec<f32>, String> {
+    let rank = group.rank();
+    let device = Device::flex().autodiff();
+    let model = match ballast {
+        0 => model,
+        n => model.with_ballast(n, &device),
+    };
+    let sampler = DistributedSampler::for_group(&group).seed(5);
+    let probe = Probe {
+        inner: sampler.dataset(Points(DATA)),
+        sampler: sampler.clone(),
+        fail_at: job.fail_at,
+        count: job.count.clone(),
+    };
+    let valid_sampler = DistributedSampler::for_group(&group).shuffle(false);
+    let dir = std::env::temp_dir().join(format!(
+        "burn-ddp-job-{}-{:?}-{rank}",
+        std::process::id(),
+        std::thread::current().id()
+    ));
+    let training = SupervisedTraining::new(
+        &dir,
+        DataLoaderBuilder::new(ToBatch).batch_size(4).build(probe),
+        DataLoaderBuilder::new(ToBatch)
+            .batch_size(4)
+            .build(valid_sampler.dataset(Points(DATA / 2))),
+    )
+    .renderer(Box::new(QuietRenderer))
+    .with_application_logger(None)
+    .num_epochs(JOB_EPOCHS);
+    let schedule = LinearLrSchedulerConfig::new(0.05, 0.005, 20)
+        .init()
+        .map_err(|e| e.to_string())?;
+    let mut learner =
+        DdpLearner::with_group(group.clone(), model, AdamConfig::new().init(), schedule)
+            .sampler(&sampler);
+    if let Some(c) = &job.checkpoints {
+        learner = learner.checkpoints(c.clone());
+    }
+    let result = training.launch_ddp(learner).map_err(|e| e.to_string());
+    let _ = std::fs::remove_dir_all(&dir);
+    let result = result.and_then(|r| match r.error {
+        Some(e) => Err(format!("training error: {e}")),
+        None => Ok(r),
+    });
+    result.map(|r| flat_parameters(&r.model))
+}
+
+fn scratch_dir(name: &str) -> std::path::PathBuf {
+    let dir = std::env::temp_dir().join(format!("burn-ddp-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    dir
+}
+
+#[test]
+fn resuming_continues_exactly_as_an_uninterrupted_run() {
+    let world = 2;
+    let plain = |checkpoints| Job {
+        world,
+        checkpoints,
+        fail_at: None,
+        count: None,
+    };
+    let uninterrupted: Vec<Vec<f32>> = run_job(&plain(None))
+        .into_iter()
+        .map(Result::unwrap)
+        .collect();
+
+    // A run that writes a checkpoint every 2 optimizer steps and "crashes" while loading its
+    // 5th batch of epoch 2 (position 17 of each rank's 24 samples): the last checkpoint is
+    // epoch 2 after 4 batches.
+    let dir = scratch_dir("resume");
+    let config = CheckpointConfig::new(&dir).every(2);
+    let crashed = run_job(&Job {
+        fail_at: Some((2, 17)),
+        ..plain(Some(config.clone()))
+    });
+    for r in &crashed {
+        let e = r.as_ref().unwrap_err();
+        assert!(e.contains("simulated crash"), "{e}");
+    }
+    let at = inspect_checkpoint(&config.path()).unwrap();
+    assert_eq!(
+        (at.epoch, at.batches, at.samples, at.world_size),
+        (2, 4, 32, 2)
+    );
+    let other_world_dir = scratch_dir("resume-world1");
+    std::fs::create_dir_all(&other_world_dir).unwrap();
+    std::fs::copy(config.path(), other_world_dir.join(CHECKPOINT_FILE)).unwrap();
+
+    // Same world size: bit-identical to the uninterrupted run, on every rank.
+    let resumed = run_job(&plain(Some(config.clone())));
+    for (r, params) in resumed.into_iter().enumerate() {
+        let params = params.unwrap();
+        assert_eq!(
+            digest(bytemuck::cast_slice(&params)),
+            digest(bytemuck::cast_slice(&uninterrupted[0])),
+            "rank {r} differs from the uninterrupted run"
+        );
+    }
+    let done = inspect_checkpoint(&config.path()).unwrap();
+    assert_eq!((done.epoch, done.batches), (JOB_EPOCHS + 1, 0));
+
+    // Another world size: one rank continues epoch 2 with the 16 samples not seen yet.
+    let seen = Arc::new(AtomicUsize::new(0));
+    let single = run_job(&Job {
+        world: 1,
+        checkpoints: Some(CheckpointConfig::new(&other_world_dir)),
+        fail_at: None,
+        count: Some((2, seen.clone())),
+    });
+    let params = single.into_iter().next().unwrap().unwrap();
+    assert!(params.iter().all(|x| x.is_finite()));
+    assert_eq!(seen.load(Ordering::Relaxed), DATA - 32);
+    let _ = std::fs::remove_dir_all(&dir);
+    let _ = std::fs::remove_dir_all(&other_world_dir);
+}
+
+#[test]
+fn a_damaged_checkpoint_is_an_error_on_every_rank() {
+    let dir = scratch_dir("damaged");
+    std::fs::create_dir_all(&dir).unwrap();
+    let config = CheckpointConfig::new(&dir);
+    std::fs::write(config.path(), b"BDDPCKPT and then nothing useful").unwrap();
+    let results = run_job(&Job {
+        world: 2,
+        checkpoints: Some(config),
+        fail_at: None,
+        count: None,
+    });
+    for r in results {
+        let e = r.unwrap_err();
+        assert!(e.contains("checkpoint") && e.contains("damaged"), "{e}");
+    }
+    let _ = std::fs::remove_dir_all(&dir);
 }

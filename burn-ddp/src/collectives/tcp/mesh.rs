@@ -1,25 +1,51 @@
 //! Connects every pair of ranks once: each rank listens on an ephemeral port of the interface
 //! that reaches rank 0, publishes it through the store, connects to lower ranks and accepts
-//! higher ones. Each connection starts with a hello naming the rank and world size.
+//! higher ones. Each connection starts with a hello naming the rank and world size, followed by
+//! the job secret; both sides check the other's.
 
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::time::{Duration, Instant};
 
 use crate::error::{DdpError, Result};
+use crate::secret::{JobSecret, MAX_SECRET_LEN, admits};
 use crate::store::Store;
-use crate::wire::{Reader, Writer};
+use crate::wire::{Reader, Writer, read_frame, write_frame};
 
 const HELLO_MAGIC: &[u8; 8] = b"BDDPMESH";
 const HELLO_LEN: usize = 16;
 /// Kernel socket buffers of data-plane connections (the kernel may cap or double it).
 const SOCKET_BUFFER: usize = 4 << 20;
 
-fn hello(rank: usize, world: usize) -> Vec<u8> {
+/// Sends this rank's hello: magic, rank, world size, then the secret as a frame.
+fn send_hello(
+    stream: &mut TcpStream,
+    rank: usize,
+    world: usize,
+    secret: Option<&JobSecret>,
+) -> std::io::Result<()> {
     let mut w = Writer::default();
     w.buf.extend_from_slice(HELLO_MAGIC);
     w.u32(rank as u32).u32(world as u32);
-    w.buf
+    stream.write_all(&w.buf)?;
+    write_frame(stream, secret.map_or(&[][..], JobSecret::as_bytes))
+}
+
+/// Reads a peer's hello; refuses it unless it presents `secret`.
+fn read_hello(
+    stream: &mut TcpStream,
+    secret: Option<&JobSecret>,
+) -> std::result::Result<(usize, usize), String> {
+    let mut buf = [0u8; HELLO_LEN];
+    stream.read_exact(&mut buf).map_err(|e| e.to_string())?;
+    let (rank, world) = parse_hello(&buf)?;
+    let presented = read_frame(stream, MAX_SECRET_LEN).map_err(|e| e.to_string())?;
+    if !admits(secret, &presented) {
+        return Err(format!(
+            "it claims to be rank {rank} but does not present the job secret (BURN_DDP_SECRET)"
+        ));
+    }
+    Ok((rank, world))
 }
 
 fn parse_hello(b: &[u8]) -> std::result::Result<(usize, usize), String> {
@@ -39,6 +65,7 @@ pub(crate) fn connect(
     rank: usize,
     world: usize,
     store: &Store,
+    secret: Option<&JobSecret>,
     deadline: Instant,
 ) -> Result<Vec<Option<TcpStream>>> {
     let fail = |reason: String| DdpError::Rendezvous { rank, reason };
@@ -82,13 +109,9 @@ pub(crate) fn connect(
             .map_err(|e| fail(format!("cannot connect to rank {peer} at {addr}: {e}")))?;
         stream
             .set_read_timeout(Some(left))
-            .and_then(|_| stream.write_all(&hello(rank, world)))
+            .and_then(|_| send_hello(&mut stream, rank, world, secret))
             .map_err(|e| fail(format!("cannot greet rank {peer} at {addr}: {e}")))?;
-        let mut ack = [0u8; HELLO_LEN];
-        stream
-            .read_exact(&mut ack)
-            .map_err(|e| fail(format!("rank {peer} at {addr} did not answer: {e}")))?;
-        match parse_hello(&ack) {
+        match read_hello(&mut stream, secret) {
             Ok((r, w)) if r == peer && w == world => {}
             Ok((r, w)) => {
                 return Err(fail(format!(
@@ -123,13 +146,11 @@ pub(crate) fn connect(
         let left = deadline
             .saturating_duration_since(Instant::now())
             .max(Duration::from_millis(1));
-        let mut buf = [0u8; HELLO_LEN];
         let greeting = stream
             .set_nonblocking(false)
             .and_then(|_| stream.set_read_timeout(Some(left.min(Duration::from_secs(10)))))
-            .and_then(|_| stream.read_exact(&mut buf))
             .map_err(|e| e.to_string())
-            .and_then(|_| parse_hello(&buf));
+            .and_then(|_| read_hello(&mut stream, secret));
         let peer = match greeting {
             Err(e) => {
                 log::warn!("rank {rank}: ignoring a connection from {from}: {e}");
@@ -152,8 +173,7 @@ pub(crate) fn connect(
             }
             Ok((r, _)) => r,
         };
-        stream
-            .write_all(&hello(rank, world))
+        send_hello(&mut stream, rank, world, secret)
             .map_err(|e| fail(format!("cannot answer rank {peer}: {e}")))?;
         peers[peer] = Some(stream);
         expected -= 1;

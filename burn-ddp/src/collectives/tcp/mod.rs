@@ -23,6 +23,7 @@ use self::frame::{FrameKind, HEADER_LEN, Header};
 use self::schedule::{Action, Schedule, balanced};
 use super::{DType, DataType, OpDesc, OpKind, Reduce, ReduceOp};
 use crate::error::{DdpError, Result};
+use crate::status::StatusCell;
 use crate::store::Store;
 
 /// Store key holding the first failure report of the group.
@@ -71,6 +72,7 @@ pub(crate) struct TcpTransport {
     scratch: Vec<u64>,
     config: TcpConfig,
     store: Arc<Store>,
+    status: Arc<StatusCell>,
     next_seq: u64,
     failed: Option<String>,
 }
@@ -86,6 +88,7 @@ impl TcpTransport {
         world: usize,
         streams: Vec<Option<std::net::TcpStream>>,
         store: Arc<Store>,
+        status: Arc<StatusCell>,
         config: TcpConfig,
     ) -> Result<Self> {
         let poll = Poll::new().map_err(|e| DdpError::io("creating the poller", e))?;
@@ -121,6 +124,7 @@ impl TcpTransport {
             scratch: Vec::new(),
             config,
             store,
+            status,
             next_seq: 0,
             failed: None,
         })
@@ -280,8 +284,12 @@ impl TcpTransport {
         if self.scratch.len() * 8 < longest {
             self.scratch.resize(longest.div_ceil(8), 0);
         }
-        self.run(op, buf, sched, reduce)
-            .map_err(|failure| self.fail(op, failure))
+        self.status.update(|s| s.collective = Some(op.to_string()));
+        let result = self
+            .run(op, buf, sched, reduce)
+            .map_err(|failure| self.fail(op, failure));
+        self.status.update(|s| s.collective = None);
+        result
     }
 
     fn run(
@@ -466,15 +474,17 @@ impl TcpTransport {
                 if culprit == 0 { "" } else { " as well" }
             ),
         };
-        log::error!("rank {}: {op} failed: {cause}", self.rank);
         for p in self.peers.iter().flatten() {
             let _ = p.stream.shutdown(Shutdown::Both);
         }
+        let ranks = self.status.report();
+        log::error!("rank {}: {op} failed: {cause}; ranks: {ranks}", self.rank);
         self.failed = Some(cause.clone());
         DdpError::Collective {
             rank: self.rank,
             op: op.to_string(),
             cause,
+            ranks,
         }
     }
 
