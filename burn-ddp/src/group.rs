@@ -445,6 +445,28 @@ impl ProcessGroup {
     }
 }
 
+impl ProcessGroup {
+    /// Stops the group on every rank for `reason` (for failures found above the collectives,
+    /// such as ranks reducing different steps): the reason becomes the group's recorded failure
+    /// unless another was recorded first, this rank's connections close, and the peers' next
+    /// collectives fail with it. Returns the agreed cause.
+    pub fn abort(&self, reason: &str) -> String {
+        let reason = reason.to_string();
+        self.submit(move |t| Ok(t.abort(&reason)))
+            .wait()
+            .unwrap_or_else(|e| e.to_string())
+    }
+
+    /// The group's recorded failure, if any rank recorded one (read from the store).
+    pub fn recorded_failure(&self) -> Option<String> {
+        self.store
+            .try_get(crate::collectives::tcp::ABORT_KEY)
+            .ok()
+            .flatten()
+            .map(|v| String::from_utf8_lossy(&v).into_owned())
+    }
+}
+
 impl Drop for ProcessGroup {
     /// Lets queued collectives finish (each bounded by the timeout), tells the peers this rank
     /// leaves, and stops the store if this rank serves it.

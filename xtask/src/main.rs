@@ -11,6 +11,8 @@
 //!   size 1 against burn's `Learner`, and samples/s at world size 2 against 1.
 //! - `gpu-bundle --out DIR`: stripped release binaries and `run.sh`, the one-command GPU check
 //!   for a bare machine with a GPU, CUDA 13 and NCCL (no cargo, no network).
+//! - `soak [--iters 5000]`: the long soak test (random all-reduces on 4 ranks, results checked,
+//!   resident memory reported).
 
 use std::ffi::OsString;
 use std::path::PathBuf;
@@ -24,7 +26,8 @@ const USAGE: &str = "usage:
   cargo xtask multi-gpu [--nproc-per-node N] [--nnodes M --node-rank R --master-addr A --master-port P] [--example NAME] [--release] [-- ARGS...]
   cargo xtask bench-collectives [--world N] [--sizes 4K,64M,...] [--chunk 512K] [--spin-us 20] [--op sum|avg|max]
   cargo xtask bench-train [--epochs 3] [--repeats 3] [--batch-size 32]
-  cargo xtask gpu-bundle --out DIR";
+  cargo xtask gpu-bundle --out DIR
+  cargo xtask soak [--iters 5000]";
 
 /// Builds targets (`target`: cargo's selection flags) and returns the executables cargo
 /// reports, as (target name, path), read from its JSON messages.
@@ -357,7 +360,7 @@ fn bench_train(args: &[String]) -> Result<()> {
     let exe = build(&["--bin", "quickstart"], true)?;
     let scratch = std::env::temp_dir().join(format!("burn-ddp-bench-train-{}", std::process::id()));
     std::fs::create_dir_all(&scratch)?;
-    let run = |nproc: usize, plain: bool| -> Result<Timing> {
+    let run = |nproc: usize, plain: bool, extra: &[&str]| -> Result<Timing> {
         let report = scratch.join("report.txt");
         let mut args: Vec<String> = vec![
             "--quiet".into(),
@@ -373,6 +376,7 @@ fn bench_train(args: &[String]) -> Result<()> {
         if plain {
             args.push("--plain".into());
         }
+        args.extend(extra.iter().map(|s| s.to_string()));
         launch(&LaunchConfig::new(exe.clone(), nproc).args(args)).context("quickstart run")?;
         let text = std::fs::read_to_string(&report)?;
         let field = |name: &str| -> Result<f64> {
@@ -388,12 +392,13 @@ fn bench_train(args: &[String]) -> Result<()> {
             samples: field("samples")?,
         })
     };
-    let (mut plain, mut ddp1, mut ddp2) = (vec![], vec![], vec![]);
+    let (mut plain, mut ddp1, mut ddp2, mut unchecked) = (vec![], vec![], vec![], vec![]);
     for r in 0..repeats {
         eprintln!("bench-train: round {} of {repeats}", r + 1);
-        plain.push(run(1, true)?);
-        ddp1.push(run(1, false)?);
-        ddp2.push(run(2, false)?);
+        plain.push(run(1, true, &[])?);
+        ddp1.push(run(1, false, &[])?);
+        ddp2.push(run(2, false, &[])?);
+        unchecked.push(run(2, false, &["--no-desync-check"])?);
     }
     let _ = std::fs::remove_dir_all(&scratch);
     let step = |t: &[Timing]| median(t.iter().map(Timing::per_step_ms).collect());
@@ -421,6 +426,17 @@ fn bench_train(args: &[String]) -> Result<()> {
         rate(&ddp2)
     );
     println!(
+        "{:<34} {:>12.3} {:>12.0}",
+        "DdpLearner, world 2, no desync check",
+        step(&unchecked),
+        rate(&unchecked)
+    );
+    println!(
+        "cost of the desync check at world 2: {:+.1}% of step time (ratio {:.3})",
+        (step(&ddp2) / step(&unchecked) - 1.0) * 100.0,
+        step(&ddp2) / step(&unchecked)
+    );
+    println!(
         "overhead of DdpLearner at world 1: {:+.1}% (ratio {:.3})",
         (step(&ddp1) / step(&plain) - 1.0) * 100.0,
         step(&ddp1) / step(&plain)
@@ -430,6 +446,24 @@ fn bench_train(args: &[String]) -> Result<()> {
         rate(&ddp2) / rate(&ddp1),
         rate(&ddp2) / rate(&ddp1) / 2.0 * 100.0
     );
+    Ok(())
+}
+
+/// Runs the ignored long soak test of burn-ddp's integration tests.
+fn soak(args: &[String]) -> Result<()> {
+    let opts = Opts::parse(args, &[])?;
+    opts.check(&["--iters"])?;
+    let iters = opts.number(&["--iters"], 5000)?;
+    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+    let status = Command::new(cargo)
+        .args(["test", "-p", "burn-ddp", "--test", "integration", "--"])
+        .args(["--ignored", "--exact", "soak::soak_long", "--nocapture"])
+        .env("BDDP_SOAK_ITERS", iters.to_string())
+        .status()
+        .context("running cargo test")?;
+    if !status.success() {
+        bail!("the soak test failed ({status})");
+    }
     Ok(())
 }
 
@@ -444,6 +478,7 @@ fn main() -> Result<()> {
         "bench-collectives" => bench_collectives(rest),
         "bench-train" => bench_train(rest),
         "gpu-bundle" => gpu_bundle(rest),
+        "soak" => soak(rest),
         "-h" | "--help" | "help" => {
             println!("{USAGE}");
             Ok(())

@@ -38,6 +38,7 @@ pub struct DdpLearner<M: LearnerModel> {
     samplers: Vec<DistributedSampler>,
     settings: Vec<(String, String)>,
     checkpoints: Option<CheckpointConfig>,
+    desync_check: bool,
 }
 
 impl<M: LearnerModel> DdpLearner<M> {
@@ -68,6 +69,7 @@ impl<M: LearnerModel> DdpLearner<M> {
             samplers: Vec::new(),
             settings: Vec::new(),
             checkpoints: None,
+            desync_check: true,
         }
     }
 
@@ -97,6 +99,13 @@ impl<M: LearnerModel> DdpLearner<M> {
         self
     }
 
+    /// Whether every bucket's fingerprint is checked (default true: ranks reducing different
+    /// steps or layouts stop with an error). Switch off only to measure the check's cost.
+    pub fn desync_check(mut self, check: bool) -> Self {
+        self.desync_check = check;
+        self
+    }
+
     /// Bucket sizes (default 25 MiB, first bucket 1 MiB).
     pub fn buckets(mut self, config: BucketConfig) -> Self {
         self.buckets = config;
@@ -116,9 +125,12 @@ impl<M: LearnerModel> DdpLearner<M> {
             .autodiff();
         let model = self.model.fork(&device);
         self.group.status().enter(Phase::Starting, None);
-        check_agreement(&self.group, &layout(&model), &self.settings)?;
+        let mut settings = self.settings;
+        settings.push(("desync_check".into(), self.desync_check.to_string()));
+        check_agreement(&self.group, &layout(&model), &settings)?;
         let model = broadcast_module(model, &self.group)?;
-        let reducer = GradientReducer::new(&model, self.group.clone(), self.buckets)?;
+        let reducer = GradientReducer::new(&model, self.group.clone(), self.buckets)?
+            .desync_check(self.desync_check);
         let strategy = DdpStrategy {
             group: self.group,
             device,

@@ -3,6 +3,7 @@
 
 mod bucket;
 mod checkpoint;
+mod fingerprint;
 mod gather;
 mod learner;
 mod params;

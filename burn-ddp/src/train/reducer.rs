@@ -4,7 +4,10 @@
 //! Bucket `i`'s reduction runs on the group's collective thread while bucket `i + 1` is packed
 //! and bucket `i - 1` is unpacked. A parameter without a gradient on this rank takes part as
 //! zeros, so all ranks' buckets agree; a presence flag per parameter travels at the end of each
-//! bucket, and a parameter that no rank produced a gradient for stays without one.
+//! bucket, and a parameter that no rank produced a gradient for stays without one. Last comes
+//! the bucket's [fingerprint](super::fingerprint), checked after every reduction. Buckets are
+//! summed, then the gradients scaled by `1 / world` on the device (flags and fingerprint stay
+//! exact sums).
 //!
 //! Why not overlap with backward: burn 0.22's autodiff runs `backward()` to completion inside one
 //! call and returns `Gradients` only at the end. Its gradient-registration hook (used by burn's
@@ -13,12 +16,14 @@
 //! Communication therefore overlaps with packing and unpacking, not with backward.
 
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use burn::module::{Module, ModuleVisitor, Param};
 use burn::optim::GradientsParams;
 use burn::tensor::{Device, Tensor, TensorData};
 
 use super::bucket::{BucketConfig, BucketPlan};
+use super::fingerprint::{FINGERPRINT_LEN, Fingerprint};
 use super::params::{ParamInfo, layout};
 use crate::ProcessGroup;
 use crate::collectives::{ReduceOp, Work};
@@ -31,6 +36,10 @@ pub struct GradientReducer {
     /// Trainable parameters in visit order (bucket plan indices refer to this list).
     params: Vec<ParamInfo>,
     plan: BucketPlan,
+    /// Reductions done (the fingerprint's step).
+    steps: AtomicU64,
+    /// Whether fingerprints are checked (on unless switched off to measure their cost).
+    check: bool,
 }
 
 /// Takes every trainable parameter's gradient out of `grads`, flattened, in visit order.
@@ -102,7 +111,16 @@ impl GradientReducer {
             transport,
             params,
             plan,
+            steps: AtomicU64::new(0),
+            check: true,
         })
+    }
+
+    /// Whether buckets carry and check a fingerprint (default true; every rank must choose the
+    /// same). It costs six values per bucket; switch it off only to measure that cost.
+    pub fn desync_check(mut self, check: bool) -> Self {
+        self.check = check;
+        self
     }
 
     /// The bucket plan.
@@ -115,11 +133,21 @@ impl GradientReducer {
         &self.group
     }
 
-    /// Averages `grads` over all ranks. Every rank must call it at the same step.
-    pub fn reduce<M: Module>(
+    /// Averages `grads` over all ranks. Every rank must call it at the same step; the
+    /// fingerprint counts the calls (use [`GradientReducer::reduce_at`] to name the step).
+    pub fn reduce<M: Module>(&self, model: &M, grads: GradientsParams) -> Result<GradientsParams> {
+        let n = self.steps.fetch_add(1, Ordering::Relaxed);
+        self.reduce_at(model, grads, 0, n as usize)
+    }
+
+    /// Averages `grads` of training step `step` of `epoch` over all ranks; ranks at another
+    /// epoch or step are a desync error on every rank.
+    pub fn reduce_at<M: Module>(
         &self,
         model: &M,
         mut grads: GradientsParams,
+        epoch: usize,
+        step: usize,
     ) -> Result<GradientsParams> {
         if self.group.world_size() == 1 {
             return Ok(grads);
@@ -145,15 +173,16 @@ impl GradientReducer {
         let mut reduced: Vec<Option<Tensor<1>>> = vec![None; flat.len()];
         let mut in_flight: Option<(usize, InFlight)> = None;
         let n = self.plan.buckets.len();
+        let at = (epoch, step);
         let status = self.group.status();
         let finish = |b: usize, f: InFlight, reduced: &mut [Option<Tensor<1>>]| {
             status.activity(Some(format!("waits for bucket {} of {n}", b + 1)));
             let done = f.finish(&device);
             status.activity(None);
-            self.unpack(b, done?, reduced)
+            self.unpack(b, at, done?, reduced)
         };
         for b in 0..n {
-            let started = self.start(self.pack(b, &mut flat, &device))?;
+            let started = self.start(self.pack(b, at, &mut flat, &device))?;
             if let Some((prev, f)) = in_flight.replace((b, started)) {
                 finish(prev, f, &mut reduced)?;
             }
@@ -168,11 +197,26 @@ impl GradientReducer {
         Ok(grads)
     }
 
-    /// One contiguous tensor on the device: bucket `b`'s gradients (zeros where missing), then
-    /// one presence flag per parameter.
-    fn pack(&self, b: usize, flat: &mut [Option<Tensor<1>>], device: &Device) -> Tensor<1> {
+    fn fingerprint(&self, b: usize, (epoch, step): (usize, usize)) -> Fingerprint {
+        Fingerprint {
+            epoch,
+            step,
+            bucket: b,
+            len: self.plan.buckets[b].len,
+        }
+    }
+
+    /// One contiguous tensor on the device: bucket `b`'s gradients (zeros where missing), one
+    /// presence flag per parameter, then the fingerprint.
+    fn pack(
+        &self,
+        b: usize,
+        at: (usize, usize),
+        flat: &mut [Option<Tensor<1>>],
+        device: &Device,
+    ) -> Tensor<1> {
         let bucket = &self.plan.buckets[b];
-        let mut presence = Vec::with_capacity(bucket.params.len());
+        let mut presence = Vec::with_capacity(bucket.params.len() + FINGERPRINT_LEN);
         let mut parts: Vec<Tensor<1>> = bucket
             .params
             .iter()
@@ -187,38 +231,74 @@ impl GradientReducer {
                 }
             })
             .collect();
+        if self.check {
+            presence.extend(self.fingerprint(b, at).values());
+        }
         let n = presence.len();
         parts.push(Tensor::from_data(TensorData::new(presence, [n]), device));
         Tensor::cat(parts, 0)
     }
 
-    /// Starts averaging a packed bucket across the ranks.
+    /// Starts summing a packed bucket across the ranks.
     fn start(&self, packed: Tensor<1>) -> Result<InFlight> {
         match &self.transport {
             Transport::Tcp => {
                 let values = host_f32(packed)?;
-                Ok(InFlight::Tcp(self.group.all_reduce(values, ReduceOp::Avg)))
+                Ok(InFlight::Tcp(self.group.all_reduce(values, ReduceOp::Sum)))
             }
             #[cfg(feature = "nccl")]
             Transport::Nccl(comm) => comm
-                .all_reduce(packed, burn_ddp_nccl::Reduction::Avg)
+                .all_reduce(packed, burn_ddp_nccl::Reduction::Sum)
                 .map(|t| InFlight::Done(Box::new(t)))
                 .map_err(|e| DdpError::Collective {
                     rank: self.group.rank(),
                     op: "NCCL all_reduce of a gradient bucket".into(),
-                    cause: e.to_string(),
+                    // A failure another rank recorded (e.g. a desync) explains a timeout here.
+                    cause: match self.group.recorded_failure() {
+                        Some(recorded) => format!("{e}; recorded by the group: {recorded}"),
+                        None => e.to_string(),
+                    },
                     ranks: self.group.status().report(),
                 }),
         }
     }
 
-    fn unpack(&self, b: usize, packed: Tensor<1>, out: &mut [Option<Tensor<1>>]) -> Result<()> {
+    /// Checks the fingerprint, averages the gradients and hands out those some rank produced.
+    fn unpack(
+        &self,
+        b: usize,
+        at: (usize, usize),
+        summed: Tensor<1>,
+        out: &mut [Option<Tensor<1>>],
+    ) -> Result<()> {
         let bucket = &self.plan.buckets[b];
         let n = bucket.params.len();
-        let presence = host_f32(packed.clone().narrow(0, bucket.len, n))?;
+        let world = self.group.world_size();
+        let fingerprint = if self.check { FINGERPRINT_LEN } else { 0 };
+        let tail = host_f32(summed.clone().narrow(0, bucket.len, n + fingerprint))?;
+        if self.check
+            && let Err(reason) = self.fingerprint(b, at).check(&tail[n..], world)
+        {
+            let cause = self.group.abort(&reason);
+            return Err(DdpError::Collective {
+                rank: self.group.rank(),
+                op: format!(
+                    "gradient reduction of epoch {} step {} (bucket {} of {})",
+                    at.0,
+                    at.1,
+                    b + 1,
+                    self.plan.buckets.len()
+                ),
+                cause,
+                ranks: self.group.status().report(),
+            });
+        }
+        let grads = summed
+            .narrow(0, 0, bucket.len)
+            .mul_scalar(1.0 / world as f32);
         for (k, (&p, &offset)) in bucket.params.iter().zip(&bucket.offsets).enumerate() {
-            if presence[k] > 0.0 {
-                out[p] = Some(packed.clone().narrow(0, offset, self.params[p].numel()));
+            if tail[k] > 0.0 {
+                out[p] = Some(grads.clone().narrow(0, offset, self.params[p].numel()));
             }
         }
         Ok(())

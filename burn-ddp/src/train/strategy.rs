@@ -167,7 +167,9 @@ impl DdpStrategy {
                 None => Some(out.grads),
             };
             if let Some(grads) = grads {
-                let grads = self.reducer.reduce(&learner.model(), grads)?;
+                let grads =
+                    self.reducer
+                        .reduce_at(&learner.model(), grads, from.epoch, iteration)?;
                 learner.lr_step();
                 learner.optimizer_step(grads);
                 // Optimizer steps of the epoch so far; the epoch's end has its own checkpoint.

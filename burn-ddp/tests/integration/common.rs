@@ -93,6 +93,15 @@ impl TestFloat for f32 {
         self as f64
     }
 }
+impl TestFloat for f64 {
+    const EPS: f64 = f64::EPSILON;
+    fn from_f32(x: f32) -> Self {
+        x as f64
+    }
+    fn to_f64(self) -> f64 {
+        self
+    }
+}
 impl TestFloat for f16 {
     const EPS: f64 = 0.000_976_562_5;
     fn from_f32(x: f32) -> Self {

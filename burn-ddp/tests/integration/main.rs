@@ -6,5 +6,6 @@ mod env;
 mod faults;
 mod processes;
 mod security;
+mod soak;
 mod store;
 mod train;

@@ -641,3 +641,40 @@ fn a_damaged_checkpoint_is_an_error_on_every_rank() {
     }
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+#[test]
+fn a_rank_that_skips_a_step_stops_every_rank_with_a_desync_error() {
+    let device = Device::flex().autodiff();
+    let errors = run_world(2, options(20), |group| {
+        let rank = group.rank();
+        let group = Arc::new(group);
+        let mut model = broadcast_module(fresh_net(), &group).unwrap();
+        let reducer = GradientReducer::new(&model, group.clone(), small_buckets()).unwrap();
+        let mut optim = SgdConfig::new().init();
+        let sampler = DistributedSampler::for_group(&group).seed(11);
+        let loader = DataLoaderBuilder::new(ToBatch)
+            .batch_size(4)
+            .build(sampler.dataset(Points(DATA)))
+            .to_device(&device);
+        for (step, batch) in loader.iter().enumerate() {
+            // Same shapes, same number of collectives so far: only the fingerprint tells.
+            if rank == 1 && step == 2 {
+                continue;
+            }
+            let out = TrainStep::step(&model, batch.unwrap());
+            match reducer.reduce_at(&model, out.grads, 1, step) {
+                Ok(grads) => model = optim.step(0.5, model, grads),
+                Err(e) => return e.to_string(),
+            }
+        }
+        panic!("rank {rank}: the skipped step went unnoticed");
+    });
+    for e in errors {
+        assert!(e.contains("desync"), "{e}");
+        // Whichever rank noticed first wrote the cause both report.
+        assert!(
+            e.contains("epoch 1 step 2") && e.contains("epoch 1 step 3"),
+            "{e}"
+        );
+    }
+}

@@ -19,7 +19,9 @@ use burn::train::{
     ClassificationOutput, InferenceStep, Learner, SupervisedTraining, TrainOutput, TrainStep,
 };
 use burn_ddp::ProcessGroup;
-use burn_ddp::train::{DdpLearner, DdpTraining, DistributedSampler, QuietRenderer};
+use burn_ddp::train::{
+    CheckpointConfig, DdpLearner, DdpTraining, DistributedSampler, QuietRenderer,
+};
 
 /// Input features per sample.
 pub const FEATURES: usize = 16;
@@ -290,6 +292,12 @@ pub struct Config {
     pub quiet: bool,
     /// Where rank 0 writes timing and accuracy as `key=value` (benchmarks).
     pub report: Option<PathBuf>,
+    /// Directory of burn-ddp checkpoints (written every epoch; resumed from when present).
+    pub checkpoint_dir: Option<PathBuf>,
+    /// Also checkpoint every this many optimizer steps (with `--checkpoint-dir`).
+    pub checkpoint_every: usize,
+    /// Switch off the per-bucket desync check (only to measure its cost).
+    pub no_desync_check: bool,
 }
 
 impl Default for Config {
@@ -307,6 +315,9 @@ impl Default for Config {
             plain: false,
             quiet: false,
             report: None,
+            checkpoint_dir: None,
+            checkpoint_every: 0,
+            no_desync_check: false,
         }
     }
 }
@@ -330,6 +341,11 @@ impl Config {
                 "--report" => self.report = Some(value()?.into()),
                 "--plain" => self.plain = true,
                 "--quiet" => self.quiet = true,
+                "--checkpoint-dir" => self.checkpoint_dir = Some(value()?.into()),
+                "--checkpoint-every" => {
+                    self.checkpoint_every = value()?.parse().context("--checkpoint-every")?
+                }
+                "--no-desync-check" => self.no_desync_check = true,
                 other => bail!("unknown flag {other}"),
             }
         }
@@ -462,13 +478,18 @@ pub fn run(group: Arc<ProcessGroup>, cfg: &Config) -> Result<Report> {
         }
         training.launch(Learner::new(model, SgdConfig::new().init(), cfg.lr))
     } else {
-        let learner = DdpLearner::with_group(group.clone(), model, SgdConfig::new().init(), cfg.lr)
-            .sampler(&sampler)
-            .setting("batch_size", cfg.batch_size)
-            .setting("lr", cfg.lr)
-            .setting("seed", cfg.seed)
-            .setting("epochs", cfg.epochs)
-            .setting("data", format!("{:?}", cfg.digits));
+        let mut learner =
+            DdpLearner::with_group(group.clone(), model, SgdConfig::new().init(), cfg.lr)
+                .sampler(&sampler)
+                .setting("batch_size", cfg.batch_size)
+                .setting("lr", cfg.lr)
+                .setting("seed", cfg.seed)
+                .setting("epochs", cfg.epochs)
+                .setting("data", format!("{:?}", cfg.digits))
+                .desync_check(!cfg.no_desync_check);
+        if let Some(dir) = &cfg.checkpoint_dir {
+            learner = learner.checkpoints(CheckpointConfig::new(dir).every(cfg.checkpoint_every));
+        }
         training
             .launch_ddp(learner)
             .context("data-parallel training")?

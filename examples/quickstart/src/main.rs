@@ -7,7 +7,9 @@
 //!
 //! Flags: `--epochs N` `--batch-size B` (per rank) `--lr X` `--seed S` `--device cpu|cuda`
 //! `--save-model PATH` `--samples N` `--digits PATH` `--artifacts DIR` `--plain` (burn's own
-//! `Learner`, one process) `--quiet` (no progress) `--report PATH` (timing as `key=value`).
+//! `Learner`, one process) `--quiet` (no progress) `--report PATH` (timing as `key=value`)
+//! `--checkpoint-dir DIR` (checkpoint every epoch, resume from DIR when a checkpoint is there)
+//! `--checkpoint-every N` (also every N steps) `--no-desync-check` (to measure its cost).
 
 fn main() -> anyhow::Result<()> {
     quickstart::main_with(quickstart::Config::default())

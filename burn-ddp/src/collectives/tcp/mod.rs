@@ -27,7 +27,7 @@ use crate::status::StatusCell;
 use crate::store::Store;
 
 /// Store key holding the first failure report of the group.
-const ABORT_KEY: &str = "bddp/abort";
+pub(crate) const ABORT_KEY: &str = "bddp/abort";
 
 /// Reduces a received chunk (second argument) into the buffer's bytes (first); the flag marks
 /// the last reduction of a segment.
@@ -486,6 +486,21 @@ impl TcpTransport {
             cause,
             ranks,
         }
+    }
+
+    /// Stops the group on this rank for `reason` (found above the transport, e.g. a desync):
+    /// records it as the group's failure unless one is recorded already, and closes every
+    /// connection so the peers stop too. Returns the agreed cause.
+    pub(crate) fn abort(&mut self, reason: &str) -> String {
+        let cause = match self.store.compare_set(ABORT_KEY, b"", reason.as_bytes()) {
+            Ok(agreed) => String::from_utf8_lossy(&agreed).into_owned(),
+            Err(_) => reason.to_string(),
+        };
+        for p in self.peers.iter().flatten() {
+            let _ = p.stream.shutdown(Shutdown::Both);
+        }
+        self.failed.get_or_insert_with(|| cause.clone());
+        cause
     }
 
     /// Tells every peer this rank leaves cleanly, then closes the connections.
