@@ -190,3 +190,35 @@ fn a_timeout_report_says_where_every_rank_is() {
         );
     }
 }
+
+#[test]
+fn a_rank_number_already_taken_is_an_error_naming_it() {
+    let server = burn_ddp::store::StoreServer::bind("127.0.0.1:0").unwrap();
+    let port = server.local_addr().port();
+    let join = |rank| {
+        ProcessGroup::builder(rank, 3)
+            .master_addr("127.0.0.1")
+            .master_port(port)
+            .host_store(false)
+            .rendezvous_timeout(Duration::from_secs(2))
+            .build()
+    };
+    std::thread::scope(|s| {
+        let first = s.spawn(|| join(1));
+        std::thread::sleep(Duration::from_millis(300));
+        let start = Instant::now();
+        let e = join(1).unwrap_err().to_string();
+        assert!(
+            start.elapsed() < Duration::from_secs(1),
+            "{:?}",
+            start.elapsed()
+        );
+        assert!(
+            e.contains("rank 1 is already taken by process") && e.contains("RANK=1"),
+            "{e}"
+        );
+        // The first holder waits for the missing ranks and says which.
+        let e = first.join().unwrap().unwrap_err().to_string();
+        assert!(e.contains("ranks [0, 2] did not join"), "{e}");
+    });
+}

@@ -60,6 +60,30 @@ fn addr_key(rank: usize) -> String {
     format!("bddp/mesh/addr/{rank}")
 }
 
+/// Claims `rank` in the store, so that a second process started with the same rank stops at
+/// once with an error naming the rank and the process that has it.
+fn claim_rank(rank: usize, world: usize, store: &Store) -> Result<()> {
+    static CLAIMS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let n = CLAIMS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let me = format!(
+        "process {} at {} (claim {n})",
+        std::process::id(),
+        store.local_addr().ip()
+    );
+    let owner = store.compare_set(&format!("bddp/mesh/rank/{rank}"), b"", me.as_bytes())?;
+    if owner != me.as_bytes() {
+        return Err(DdpError::Rendezvous {
+            rank,
+            reason: format!(
+                "rank {rank} is already taken by {}: two processes were started with RANK={rank} \
+                 (each of the {world} ranks must be given once)",
+                String::from_utf8_lossy(&owner)
+            ),
+        });
+    }
+    Ok(())
+}
+
 /// Returns one connected stream per peer (`None` at `rank`), ready for the data plane.
 pub(crate) fn connect(
     rank: usize,
@@ -70,6 +94,7 @@ pub(crate) fn connect(
 ) -> Result<Vec<Option<TcpStream>>> {
     let fail = |reason: String| DdpError::Rendezvous { rank, reason };
     let ip = store.local_addr().ip();
+    claim_rank(rank, world, store)?;
     let listener = TcpListener::bind((ip, 0)).map_err(|source| DdpError::Bind {
         addr: format!("{ip}:0"),
         what: "data plane",
