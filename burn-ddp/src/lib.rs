@@ -11,7 +11,10 @@
 //!   `barrier`), each started now and waited for later through [`Work`];
 //! - [`collectives`]: element types, reduction operators, and the TCP transport (a pipelined
 //!   ring, gloo-like) that serves CPU training and every test;
-//! - [`launch`]: starting N rank processes of a program, as torchrun does.
+//! - [`launch`]: starting N rank processes of a program, as torchrun does (serving the store
+//!   and generating the job [`secret`]);
+//! - [`status`]: where each rank is, published so that failures say where every rank was;
+//! - `train` (feature `train`): `DdpLearner`, bucketing, `DistributedSampler`, checkpoints.
 //!
 //! ```no_run
 //! use burn_ddp::{init_process_group, ReduceOp};

@@ -10,6 +10,7 @@ use std::sync::Arc;
 
 use burn_ddp::env::AGENT_STORE_VAR;
 use burn_ddp::launch::{LaunchConfig, free_port, launch};
+use burn_ddp::secret::JobSecret;
 use burn_ddp::status::{PUBLISH_INTERVAL, Phase, RankStatus, status_key};
 use burn_ddp::store::StoreServer;
 use burn_ddp::train::{CheckpointConfig, inspect_checkpoint};
@@ -398,4 +399,37 @@ fn rank_0_killed_while_writing_a_checkpoint_leaves_the_previous_one_and_is_named
         "{done:?} after {at:?}"
     );
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn two_launchers_form_one_job_as_two_nodes_sharing_a_secret() {
+    let exe = std::env::current_exe().unwrap();
+    let port = free_port("127.0.0.1").unwrap();
+    let secret = JobSecret::generate().unwrap();
+    let node = |node_rank| {
+        let mut cfg = LaunchConfig::new(exe.clone(), 2)
+            .args(["--exact", ENTRY, "--ignored", "--nocapture"])
+            .env("BDDP_TEST_SCENARIO", "sum")
+            .env("BURN_DDP_TIMEOUT", "30");
+        cfg.nnodes = 2;
+        cfg.node_rank = node_rank;
+        cfg.master_port = Some(port);
+        cfg.secret = Some(secret.clone());
+        cfg
+    };
+    std::thread::scope(|s| {
+        let nodes: Vec<_> = (0..2).map(|n| s.spawn(move || launch(&node(n)))).collect();
+        for (n, h) in nodes.into_iter().enumerate() {
+            h.join()
+                .unwrap()
+                .unwrap_or_else(|e| panic!("node {n}: {e}"));
+        }
+    });
+    // Without a shared secret, a multi-node launcher refuses to start.
+    if std::env::var_os("BURN_DDP_SECRET").is_none() {
+        let mut cfg = node(1);
+        cfg.secret = None;
+        let e = launch(&cfg).unwrap_err().to_string();
+        assert!(e.contains("BURN_DDP_SECRET"), "{e}");
+    }
 }
