@@ -5,7 +5,7 @@
 //! gradients averaged across processes and nodes each step, every replica identical.
 //!
 //! This crate holds the pieces that do not depend on a device:
-//! - [`env`]: who-am-I from torchrun, Slurm or Open MPI variables;
+//! - [`env`](mod@env): who-am-I from torchrun, Slurm or Open MPI variables;
 //! - [`store`]: the rendezvous key-value store rank 0 serves;
 //! - [`ProcessGroup`]: rendezvous plus collectives (`all_reduce`, `broadcast`, `all_gather`,
 //!   `barrier`), each started now and waited for later through [`Work`];
