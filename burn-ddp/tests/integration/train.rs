@@ -4,8 +4,8 @@
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
-use burn::data::dataloader::DataLoaderBuilder;
 use burn::data::dataloader::batcher::Batcher;
+use burn::data::dataloader::{DataLoader, DataLoaderBuilder};
 use burn::data::dataset::{Dataset, DatasetError};
 use burn::module::{Module, Param};
 use burn::nn::loss::CrossEntropyLossConfig;
@@ -327,6 +327,35 @@ fn a_parameter_without_gradient_in_some_steps_neither_hangs_nor_diverges() {
     assert!(outcomes[0].params.iter().all(|x| x.is_finite()));
 }
 
+/// A rank of a hand-written training loop: rank 0's model, small buckets, its shard of the data.
+struct ManualRank {
+    group: Arc<ProcessGroup>,
+    model: Net,
+    reducer: GradientReducer,
+    sampler: DistributedSampler,
+    loader: Arc<dyn DataLoader<Batch>>,
+}
+
+impl ManualRank {
+    fn new(group: ProcessGroup, model: Net) -> Self {
+        let group = Arc::new(group);
+        let model = broadcast_module(model, &group).unwrap();
+        let reducer = GradientReducer::new(&model, group.clone(), small_buckets()).unwrap();
+        let sampler = DistributedSampler::for_group(&group).seed(11);
+        let loader = DataLoaderBuilder::new(ToBatch)
+            .batch_size(4)
+            .build(sampler.dataset(Points(DATA)))
+            .to_device(&Device::flex().autodiff());
+        ManualRank {
+            group,
+            model,
+            reducer,
+            sampler,
+            loader,
+        }
+    }
+}
+
 #[test]
 fn ranks_hold_identical_parameters_after_every_step() {
     let device = Device::flex().autodiff();
@@ -343,17 +372,15 @@ fn ranks_hold_identical_parameters_after_every_step() {
     drop(guard);
     let models = Mutex::new(models);
     let steps = run_world(world, options(60), |group| {
-        let rank = group.rank();
-        let group = Arc::new(group);
-        let model = models.lock().unwrap()[rank].take().unwrap();
-        let mut model = broadcast_module(model, &group).unwrap();
-        let reducer = GradientReducer::new(&model, group.clone(), small_buckets()).unwrap();
+        let model = models.lock().unwrap()[group.rank()].take().unwrap();
+        let ManualRank {
+            group,
+            mut model,
+            reducer,
+            sampler,
+            loader,
+        } = ManualRank::new(group, model);
         let mut optim = SgdConfig::new().init();
-        let sampler = DistributedSampler::for_group(&group).seed(11);
-        let loader = DataLoaderBuilder::new(ToBatch)
-            .batch_size(4)
-            .build(sampler.dataset(Points(DATA)))
-            .to_device(&device);
         let mut steps = 0;
         for epoch in 0..2 {
             sampler.set_epoch(epoch);
@@ -644,18 +671,15 @@ fn a_damaged_checkpoint_is_an_error_on_every_rank() {
 
 #[test]
 fn a_rank_that_skips_a_step_stops_every_rank_with_a_desync_error() {
-    let device = Device::flex().autodiff();
     let errors = run_world(2, options(20), |group| {
         let rank = group.rank();
-        let group = Arc::new(group);
-        let mut model = broadcast_module(fresh_net(), &group).unwrap();
-        let reducer = GradientReducer::new(&model, group.clone(), small_buckets()).unwrap();
+        let ManualRank {
+            mut model,
+            reducer,
+            loader,
+            ..
+        } = ManualRank::new(group, fresh_net());
         let mut optim = SgdConfig::new().init();
-        let sampler = DistributedSampler::for_group(&group).seed(11);
-        let loader = DataLoaderBuilder::new(ToBatch)
-            .batch_size(4)
-            .build(sampler.dataset(Points(DATA)))
-            .to_device(&device);
         for (step, batch) in loader.iter().enumerate() {
             // Same shapes, same number of collectives so far: only the fingerprint tells.
             if rank == 1 && step == 2 {
