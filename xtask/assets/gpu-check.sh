@@ -87,6 +87,21 @@ if [ $q1 -eq 0 ] && [ $qp -eq 0 ]; then
     record "step time DdpLearner / burn Learner (world 1, GPU)" "$a ms / $b ms = $(python3 -c "print(f'{$a/$b:.3f}')" 2>/dev/null)"
 fi
 
+# 2b. Checkpoint and resume on the GPU: 2 epochs with a checkpoint, resumed to 4, against 4
+# straight; the final parameters must be bit-identical.
+digest() { grep -o 'parameters digest [0-9a-f]*' "$1" | cut -d' ' -f3; }
+rm -rf "$work/ckpt"
+RANK=0 WORLD_SIZE=1 "$work/bin/quickstart" --device cuda --epochs 2 --quiet --checkpoint-dir "$work/ckpt" >"$work/r1.log" 2>&1 \
+    && RANK=0 WORLD_SIZE=1 "$work/bin/quickstart" --device cuda --epochs 4 --quiet --checkpoint-dir "$work/ckpt" >"$work/r2.log" 2>&1 \
+    && RANK=0 WORLD_SIZE=1 "$work/bin/quickstart" --device cuda --epochs 4 --quiet >"$work/r3.log" 2>&1
+if [ $? -ne 0 ]; then
+    record "resume from a checkpoint (GPU, world 1)" "FAILED: $(tail -qn1 "$work"/r[123].log | head -n1)"
+elif [ "$(digest "$work/r2.log")" = "$(digest "$work/r3.log")" ]; then
+    record "resume from a checkpoint (GPU, world 1)" "bit-identical to a straight run ($(digest "$work/r3.log"))"
+else
+    record "resume from a checkpoint (GPU, world 1)" "DIFFERS: $(digest "$work/r2.log") vs $(digest "$work/r3.log")"
+fi
+
 # 3. Pack + NCCL all-reduce + unpack of a 256 MiB bucket against a device copy.
 if "$work/bin/bucket-bench" >"$work/b.log" 2>&1; then
     record "256 MiB bucket vs device copy" "$(tail -n1 "$work/b.log")"
@@ -105,6 +120,11 @@ done
 wait
 if grep -q "validation accuracy" "$work/w2-0.log"; then
     record "world 2 on one GPU (NCCL_HOSTID per rank)" "NCCL accepted it: $(grep -o 'validation accuracy [0-9.]*%' "$work/w2-0.log")"
+    if [ "$(digest "$work/w2-0.log")" = "$(digest "$work/w2-1.log")" ]; then
+        record "world 2: parameters of rank 0 and rank 1" "identical ($(digest "$work/w2-0.log"))"
+    else
+        record "world 2: parameters of rank 0 and rank 1" "DIFFER: $(digest "$work/w2-0.log") vs $(digest "$work/w2-1.log")"
+    fi
 else
     record "world 2 on one GPU (NCCL_HOSTID per rank)" "not accepted: $(grep -h -m1 -i 'error\|nccl' "$work"/w2-*.log | head -n1)"
 fi

@@ -369,6 +369,16 @@ pub struct Report {
 }
 
 impl Report {
+    /// FNV-1a of the final parameters' bytes: equal digests, bit-identical models.
+    pub fn digest(&self) -> u64 {
+        self.params
+            .iter()
+            .flat_map(|x| x.to_le_bytes())
+            .fold(0xcbf2_9ce4_8422_2325, |h, b| {
+                (h ^ b as u64).wrapping_mul(0x100_0000_01b3)
+            })
+    }
+
     /// Prints the summary and writes `--report` (rank 0 calls it).
     pub fn publish(&self, cfg: &Config, world: usize) -> Result<()> {
         println!(
@@ -384,8 +394,12 @@ impl Report {
         );
         if let Some(path) = &cfg.report {
             let line = format!(
-                "steps={} seconds={} samples={} accuracy={}\n",
-                self.steps, self.train_seconds, self.samples, self.valid_accuracy
+                "steps={} seconds={} samples={} accuracy={} digest={:016x}\n",
+                self.steps,
+                self.train_seconds,
+                self.samples,
+                self.valid_accuracy,
+                self.digest()
             );
             std::fs::write(path, line).with_context(|| format!("writing {}", path.display()))?;
         }
@@ -523,6 +537,8 @@ pub fn main_with(defaults: Config) -> Result<()> {
     let cfg = defaults.parse_args(std::env::args().skip(1))?;
     let group = Arc::new(burn_ddp::init_process_group().context("forming the process group")?);
     let report = run(group.clone(), &cfg)?;
+    // Every rank's digest: equal digests show the replicas ended identical.
+    println!("parameters digest {:016x}", report.digest());
     if group.rank() == 0 {
         report.publish(&cfg, group.world_size())?;
     }
