@@ -131,7 +131,8 @@ pub fn launch(cfg: &LaunchConfig) -> Result<()> {
             cfg.nproc_per_node, cfg.nnodes, cfg.node_rank
         )));
     }
-    if cfg.nnodes > 1 && cfg.master_port.is_none() {
+    let several_nodes_without_port = cfg.nnodes > 1 && cfg.master_port.is_none();
+    if several_nodes_without_port {
         return Err(DdpError::InvalidConfig(
             "with several nodes, give the same master port to every node".into(),
         ));
@@ -156,10 +157,15 @@ pub fn launch(cfg: &LaunchConfig) -> Result<()> {
     } else {
         None
     };
+    // Node 0's store has the port (given, or picked by the OS); other nodes were given it.
     let port = match (&server, cfg.master_port) {
         (Some(s), _) => s.local_addr().port(),
         (None, Some(p)) => p,
-        (None, None) => unreachable!("checked above: several nodes need a port"),
+        (None, None) => {
+            return Err(DdpError::InvalidConfig(
+                "a node other than node 0 needs the master port".into(),
+            ));
+        }
     };
     let world = cfg.nproc_per_node * cfg.nnodes;
     let mut children: Vec<Child> = Vec::new();
