@@ -43,6 +43,9 @@ pub struct LaunchConfig {
     pub secret: Option<JobSecret>,
     /// Extra environment for every rank.
     pub env: Vec<(OsString, OsString)>,
+    /// How often to restart all ranks after a failure (single node; default 0). Ranks see the
+    /// attempt in `BURN_DDP_RESTART_COUNT`; with checkpoints they resume where they stopped.
+    pub max_restarts: usize,
 }
 
 impl LaunchConfig {
@@ -58,6 +61,7 @@ impl LaunchConfig {
             master_port: None,
             secret: None,
             env: Vec::new(),
+            max_restarts: 0,
         }
     }
 
@@ -122,7 +126,8 @@ fn pump(mut from: impl Read + Send + 'static, rank: usize, stderr: bool) -> Join
 }
 
 /// Runs the ranks of this node to completion. `Ok` when all exit with 0; otherwise the others
-/// are killed and the error names the rank that failed first and how.
+/// are killed and the error names the rank that failed first and how. With
+/// [`LaunchConfig::max_restarts`], a failed job is started again (all ranks) that many times.
 pub fn launch(cfg: &LaunchConfig) -> Result<()> {
     if cfg.nproc_per_node == 0 || cfg.nnodes == 0 || cfg.node_rank >= cfg.nnodes {
         return Err(DdpError::InvalidConfig(format!(
@@ -150,6 +155,39 @@ pub fn launch(cfg: &LaunchConfig) -> Result<()> {
             });
         }
     };
+    if cfg.max_restarts > 0 && cfg.nnodes > 1 {
+        return Err(DdpError::InvalidConfig(
+            "restarts are for single-node jobs: across nodes, let the cluster manager restart \
+             the job (for example Slurm's --requeue); checkpoints resume it either way"
+                .into(),
+        ));
+    }
+    let mut attempt = 0;
+    loop {
+        match run_attempt(cfg, &secret, attempt) {
+            Err(DdpError::RankFailed { rank, status }) if attempt < cfg.max_restarts => {
+                attempt += 1;
+                log::warn!(
+                    "rank {rank} failed ({status}); restarting every rank (restart {attempt} of {})",
+                    cfg.max_restarts
+                );
+                eprintln!(
+                    "[burn-ddp] rank {rank} failed ({status}); restarting every rank (restart \
+                     {attempt} of {})",
+                    cfg.max_restarts
+                );
+            }
+            outcome => return outcome,
+        }
+    }
+}
+
+/// Environment variable telling a rank which restart of the job it belongs to (0: the first
+/// start).
+pub const RESTART_COUNT_VAR: &str = "BURN_DDP_RESTART_COUNT";
+
+/// One start of every rank of this node, to completion or to the first failure.
+fn run_attempt(cfg: &LaunchConfig, secret: &JobSecret, attempt: usize) -> Result<()> {
     // Node 0 serves the store, bound to the master address only.
     let server = if cfg.node_rank == 0 {
         let addr = (cfg.master_addr.as_str(), cfg.master_port.unwrap_or(0));
@@ -184,6 +222,7 @@ pub fn launch(cfg: &LaunchConfig) -> Result<()> {
             .env("MASTER_PORT", port.to_string())
             .env(SECRET_VAR, secret.to_env_value())
             .env(AGENT_STORE_VAR, "1")
+            .env(RESTART_COUNT_VAR, attempt.to_string())
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped());

@@ -1,8 +1,9 @@
 //! Project tasks, run as `cargo xtask <task>`: thin wrappers that build a program and start its
 //! ranks through `burn_ddp::launch`.
 //!
-//! - `multi-cpu --nproc N [--example NAME] [--release] [-- ARGS]`: N CPU ranks of an example
-//!   binary (`quickstart`, the default; `digits`; `hello_ddp`).
+//! - `multi-cpu --nproc N [--example NAME] [--release] [--max-restarts K] [-- ARGS]`: N CPU
+//!   ranks of an example binary (`quickstart`, the default; `digits`; `hello_ddp`); a failed job
+//!   is restarted up to K times.
 //! - `multi-gpu [--nproc-per-node N] [--nnodes M --node-rank R --master-addr A --master-port P]`:
 //!   one rank per visible GPU (`CUDA_VISIBLE_DEVICES` respected), examples built with CUDA.
 //! - `bench-collectives [--world N] [--sizes 4K,64M,...] [--chunk 512K] [--spin-us 20]`: the
@@ -22,8 +23,8 @@ use anyhow::{Context, Result, bail};
 use burn_ddp::launch::{LaunchConfig, launch};
 
 const USAGE: &str = "usage:
-  cargo xtask multi-cpu --nproc N [--example NAME] [--release] [-- ARGS...]
-  cargo xtask multi-gpu [--nproc-per-node N] [--nnodes M --node-rank R --master-addr A --master-port P] [--example NAME] [--release] [-- ARGS...]
+  cargo xtask multi-cpu --nproc N [--example NAME] [--release] [--max-restarts K] [-- ARGS...]
+  cargo xtask multi-gpu [--nproc-per-node N] [--nnodes M --node-rank R --master-addr A --master-port P] [--example NAME] [--release] [--max-restarts K] [-- ARGS...]
   cargo xtask bench-collectives [--world N] [--sizes 4K,64M,...] [--chunk 512K] [--spin-us 20] [--op sum|avg|max]
   cargo xtask bench-train [--epochs 3] [--repeats 3] [--batch-size 32]
   cargo xtask gpu-bundle --out DIR
@@ -134,11 +135,18 @@ impl Opts {
 
 fn multi_cpu(args: &[String]) -> Result<()> {
     let opts = Opts::parse(args, &["--release"])?;
-    opts.check(&["--nproc", "--nproc-per-node", "--example", "--release"])?;
+    opts.check(&[
+        "--nproc",
+        "--nproc-per-node",
+        "--example",
+        "--release",
+        "--max-restarts",
+    ])?;
     let nproc = opts.number(&["--nproc", "--nproc-per-node"], 2)?;
     let example = opts.get(&["--example"]).unwrap_or("quickstart");
     let exe = build(&["--bin", example], opts.has("--release"))?;
-    let cfg = LaunchConfig::new(exe, nproc).args(opts.rest.clone());
+    let mut cfg = LaunchConfig::new(exe, nproc).args(opts.rest.clone());
+    cfg.max_restarts = opts.number(&["--max-restarts"], 0)?;
     launch(&cfg).context("multi-cpu run failed")
 }
 
@@ -191,6 +199,7 @@ fn multi_gpu(args: &[String]) -> Result<()> {
         "--master-port",
         "--example",
         "--release",
+        "--max-restarts",
     ])?;
     let visible = visible_gpus();
     let nproc = opts.number(&["--nproc-per-node", "--nproc"], visible)?;
@@ -215,6 +224,7 @@ fn multi_gpu(args: &[String]) -> Result<()> {
     }
     let mut cfg = LaunchConfig::new(exe, nproc).args(rank_args);
     cfg.nnodes = opts.number(&["--nnodes"], 1)?;
+    cfg.max_restarts = opts.number(&["--max-restarts"], 0)?;
     cfg.node_rank = opts.number(&["--node-rank"], 0)?;
     if let Some(addr) = opts.get(&["--master-addr"]) {
         cfg.master_addr = addr.to_string();

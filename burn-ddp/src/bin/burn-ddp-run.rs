@@ -1,7 +1,8 @@
 //! `burn-ddp-run`: starts N ranks of a program with the torchrun variables set.
 //!
 //! ```text
-//! burn-ddp-run --nproc 4 [--nnodes M --node-rank R --master-addr A --master-port P] PROGRAM [ARGS...]
+//! burn-ddp-run --nproc 4 [--nnodes M --node-rank R --master-addr A --master-port P]
+//!              [--max-restarts K] PROGRAM [ARGS...]
 //! ```
 
 use std::process::ExitCode;
@@ -9,7 +10,7 @@ use std::process::ExitCode;
 use burn_ddp::launch::{LaunchConfig, launch};
 
 const USAGE: &str = "usage: burn-ddp-run --nproc N [--nnodes M] [--node-rank R] \
-                     [--master-addr HOST] [--master-port PORT] PROGRAM [ARGS...]";
+                     [--master-addr HOST] [--master-port PORT] [--max-restarts K] PROGRAM [ARGS...]";
 
 fn parse(args: Vec<String>) -> Result<LaunchConfig, String> {
     let mut cfg = LaunchConfig::new("", 1);
@@ -29,6 +30,7 @@ fn parse(args: Vec<String>) -> Result<LaunchConfig, String> {
                 let v = value(&arg)?;
                 cfg.master_port = Some(v.parse().map_err(|_| format!("bad port {v:?}"))?);
             }
+            "--max-restarts" => cfg.max_restarts = number(&arg, value(&arg)?)?,
             "-h" | "--help" => return Err(USAGE.into()),
             _ if arg.starts_with("--") => return Err(format!("unknown option {arg}\n{USAGE}")),
             _ => {

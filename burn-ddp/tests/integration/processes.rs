@@ -82,6 +82,14 @@ fn rank_process() {
                 std::process::exit(COLLECTIVE_FAILED);
             }
         }
+        // Rank 1 fails on the job's first start only.
+        "fail_first_start" => {
+            if rank == 1 && std::env::var("BURN_DDP_RESTART_COUNT").as_deref() == Ok("0") {
+                std::process::exit(7);
+            }
+            group.barrier().wait().unwrap();
+            println!("SUM_OK");
+        }
         // DdpLearner training of the test model; checkpoints, ballast and dying come from the
         // environment.
         "train" => {
@@ -99,7 +107,14 @@ fn rank_process() {
             };
             let model = if rank == 0 { seeded_net() } else { fresh_net() };
             match train_rank(Arc::new(group), model, &job, ballast) {
-                Ok(params) => println!("TRAINED {}", digest(bytemuck::cast_slice(&params))),
+                Ok(params) => {
+                    let digest = digest(bytemuck::cast_slice(&params));
+                    println!("TRAINED {digest}");
+                    if let Some(dir) = var("BDDP_RESULT_DIR") {
+                        let file = std::path::Path::new(&dir).join(format!("rank-{rank}"));
+                        std::fs::write(file, digest.to_string()).unwrap();
+                    }
+                }
                 Err(e) => {
                     eprintln!("RANK_ERROR: {e}");
                     std::process::exit(COLLECTIVE_FAILED);
@@ -432,4 +447,59 @@ fn two_launchers_form_one_job_as_two_nodes_sharing_a_secret() {
         let e = launch(&cfg).unwrap_err().to_string();
         assert!(e.contains("BURN_DDP_SECRET"), "{e}");
     }
+}
+
+#[test]
+fn the_launcher_restarts_a_failed_job_when_asked() {
+    let exe = std::env::current_exe().unwrap();
+    let cfg = |restarts| {
+        let mut cfg = LaunchConfig::new(exe.clone(), 2)
+            .args(["--exact", ENTRY, "--ignored", "--nocapture"])
+            .env("BDDP_TEST_SCENARIO", "fail_first_start")
+            .env("BURN_DDP_TIMEOUT", "30");
+        cfg.max_restarts = restarts;
+        cfg
+    };
+    match launch(&cfg(0)) {
+        Err(DdpError::RankFailed { rank: 1, .. }) => {}
+        other => panic!("without restarts the job fails naming rank 1, got {other:?}"),
+    }
+    launch(&cfg(1)).expect("the restarted job succeeds");
+}
+
+#[test]
+fn a_killed_job_restarted_by_the_launcher_resumes_bit_identically() {
+    let scratch = std::env::temp_dir().join(format!("burn-ddp-restart-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&scratch);
+    let results = scratch.join("results");
+    std::fs::create_dir_all(&results).unwrap();
+    let mut cfg = LaunchConfig::new(std::env::current_exe().unwrap(), 2)
+        .args(["--exact", ENTRY, "--ignored", "--nocapture"])
+        .env("BDDP_TEST_SCENARIO", "train")
+        .env("BURN_DDP_TIMEOUT", "10")
+        .env("BDDP_CKPT_DIR", scratch.join("ckpt"))
+        .env("BDDP_CKPT_EVERY", "1")
+        .env("BDDP_RESULT_DIR", &results)
+        // Rank 1 dies in epoch 2 (6 training and 3 validation passes per epoch) on the first
+        // start; the launcher restarts both ranks, which resume from the last checkpoint.
+        .env("BDDP_DIE_RANK", "1")
+        .env("BDDP_DIE_AT_FORWARD", "12");
+    cfg.max_restarts = 1;
+    launch(&cfg).expect("the restarted job finishes");
+    let read = |r: usize| std::fs::read_to_string(results.join(format!("rank-{r}"))).unwrap();
+    let (d0, d1) = (read(0), read(1));
+    assert_eq!(d0, d1, "ranks differ");
+    // The same job without a failure, as threads.
+    let straight = crate::train::run_job(&Job {
+        world: 2,
+        checkpoints: None,
+        fail_at: None,
+        count: None,
+    });
+    let want = digest(bytemuck::cast_slice(straight[0].as_ref().unwrap())).to_string();
+    assert_eq!(
+        d0, want,
+        "the resumed job differs from an uninterrupted one"
+    );
+    let _ = std::fs::remove_dir_all(&scratch);
 }

@@ -103,9 +103,16 @@ impl Net {
     }
 
     fn forward(&self, b: Batch) -> ClassificationOutput {
-        // Process tests make one rank die in its n-th forward pass (after publishing where it is).
+        // Process tests make a rank die in its n-th forward pass (after publishing where it
+        // is): the rank given the variable, or rank BDDP_DIE_RANK, on the job's first start.
         let n = FORWARDS.fetch_add(1, Ordering::Relaxed) + 1;
-        if std::env::var("BDDP_DIE_AT_FORWARD").is_ok_and(|v| v == n.to_string()) {
+        let var = |k: &str| std::env::var(k).ok();
+        let this_rank = var("BDDP_DIE_RANK").is_none_or(|r| var("RANK") == Some(r));
+        let first_start = var("BURN_DDP_RESTART_COUNT").is_none_or(|c| c == "0");
+        if this_rank
+            && first_start
+            && var("BDDP_DIE_AT_FORWARD").is_some_and(|v| v == n.to_string())
+        {
             std::thread::sleep(std::time::Duration::from_millis(400));
             eprintln!("DYING in forward pass {n}");
             std::process::exit(9);
@@ -503,7 +510,7 @@ pub(crate) struct Job {
 
 const JOB_EPOCHS: usize = 3;
 
-fn run_job(job: &Job) -> Vec<Result<Vec<f32>, String>> {
+pub(crate) fn run_job(job: &Job) -> Vec<Result<Vec<f32>, String>> {
     let net = Mutex::new(Some(seeded_net()));
     run_world(job.world, options(60), |group: ProcessGroup| {
         // Rank 0's model is broadcast to the others.
