@@ -87,7 +87,10 @@ fn rank_process() {
             if rank == 1 && std::env::var("BURN_DDP_RESTART_COUNT").as_deref() == Ok("0") {
                 std::process::exit(7);
             }
-            group.barrier().wait().unwrap();
+            if let Err(e) = group.barrier().wait() {
+                eprintln!("RANK_ERROR: {e}");
+                std::process::exit(COLLECTIVE_FAILED);
+            }
             println!("SUM_OK");
         }
         // DdpLearner training of the test model; checkpoints, ballast and dying come from the
