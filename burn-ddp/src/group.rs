@@ -459,11 +459,7 @@ impl ProcessGroup {
 
     /// The group's recorded failure, if any rank recorded one (read from the store).
     pub fn recorded_failure(&self) -> Option<String> {
-        self.store
-            .try_get(crate::collectives::tcp::ABORT_KEY)
-            .ok()
-            .flatten()
-            .map(|v| String::from_utf8_lossy(&v).into_owned())
+        crate::failure::FailureRecord::read(&self.store).map(|r| r.cause)
     }
 }
 

@@ -14,9 +14,11 @@ use std::path::PathBuf;
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::sync::mpsc;
 use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
 
 use crate::env::AGENT_STORE_VAR;
 use crate::error::{DdpError, Result};
+use crate::failure::{FAILURE_KEY, FailureRecord};
 use crate::secret::{JobSecret, SECRET_VAR};
 use crate::status::{RankStatus, status_key};
 use crate::store::StoreServer;
@@ -182,6 +184,10 @@ pub fn launch(cfg: &LaunchConfig) -> Result<()> {
     }
 }
 
+/// How long the launcher waits for the rank the others blame to exit, before naming the rank
+/// whose exit it saw first.
+const CULPRIT_GRACE: Duration = Duration::from_secs(2);
+
 /// Environment variable telling a rank which restart of the job it belongs to (0: the first
 /// start).
 pub const RESTART_COUNT_VAR: &str = "BURN_DDP_RESTART_COUNT";
@@ -261,38 +267,82 @@ fn run_attempt(cfg: &LaunchConfig, secret: &JobSecret, attempt: usize) -> Result
         });
     }
     drop(tx);
-    let mut running = vec![true; pids.len()];
+    let n = pids.len();
+    let mut exits = Exits {
+        running: vec![true; n],
+        failures: vec![None; n],
+    };
     let mut result = Ok(());
-    while let Ok((i, status)) = rx.recv() {
-        running[i] = false;
-        let failure = match status {
-            Ok(s) if s.success() => continue,
-            Ok(s) => describe(s),
-            Err(e) => format!("cannot be waited for ({e})"),
-        };
-        if result.is_ok() {
-            let last = server
-                .as_ref()
-                .and_then(|s| s.value(&status_key(first + i)))
-                .and_then(|raw| RankStatus::from_bytes(&raw));
-            let failure = match last {
-                Some(status) => format!("{failure}; it last reported: {status}"),
-                None => failure,
-            };
-            log::error!("rank {} {failure}; stopping the other ranks", first + i);
-            result = Err(DdpError::RankFailed {
-                rank: first + i,
-                status: failure,
-            });
-            for (pid, _) in pids.iter().zip(&running).filter(|(_, r)| **r) {
-                kill_pid(*pid);
+    while let Ok(exit) = rx.recv() {
+        let i = exit.0;
+        if !exits.record(exit) || result.is_err() {
+            continue;
+        }
+        // This rank may have failed because of another: the ranks' failure record names the
+        // culprit. Give it a moment to exit too, so that the report names the root cause.
+        let culprit = server
+            .as_ref()
+            .and_then(|s| s.value(FAILURE_KEY))
+            .and_then(|raw| FailureRecord::from_bytes(&raw))
+            .and_then(|r| r.culprit?.checked_sub(first))
+            .filter(|c| *c < n && *c != i);
+        let mut named = i;
+        if let Some(c) = culprit {
+            let deadline = Instant::now() + CULPRIT_GRACE;
+            while exits.running[c] {
+                match rx.recv_timeout(deadline.saturating_duration_since(Instant::now())) {
+                    Ok(other) => {
+                        exits.record(other);
+                    }
+                    Err(_) => break,
+                }
             }
+            if exits.failures[c].is_some() {
+                named = c;
+            }
+        }
+        let failure = exits.failures[named].clone().unwrap_or_default();
+        let last = server
+            .as_ref()
+            .and_then(|s| s.value(&status_key(first + named)))
+            .and_then(|raw| RankStatus::from_bytes(&raw));
+        let failure = match last {
+            Some(status) => format!("{failure}; it last reported: {status}"),
+            None => failure,
+        };
+        log::error!("rank {} {failure}; stopping the other ranks", first + named);
+        result = Err(DdpError::RankFailed {
+            rank: first + named,
+            status: failure,
+        });
+        for (pid, _) in pids.iter().zip(&exits.running).filter(|(_, r)| **r) {
+            kill_pid(*pid);
         }
     }
     for p in pumps {
         let _ = p.join();
     }
     result
+}
+
+/// The ranks' exits as the waiter threads report them.
+struct Exits {
+    running: Vec<bool>,
+    /// How each rank that failed ended, in words.
+    failures: Vec<Option<String>>,
+}
+
+impl Exits {
+    /// Notes rank `i`'s exit; true if it failed.
+    fn record(&mut self, (i, status): (usize, std::io::Result<ExitStatus>)) -> bool {
+        self.running[i] = false;
+        self.failures[i] = match status {
+            Ok(s) if s.success() => None,
+            Ok(s) => Some(describe(s)),
+            Err(e) => Some(format!("cannot be waited for ({e})")),
+        };
+        self.failures[i].is_some()
+    }
 }
 
 /// Sends SIGKILL to a rank that is still running.

@@ -28,6 +28,7 @@
 pub mod collectives;
 pub mod env;
 mod error;
+pub mod failure;
 mod group;
 pub mod launch;
 pub mod secret;

@@ -23,11 +23,9 @@ use self::frame::{FrameKind, HEADER_LEN, Header};
 use self::schedule::{Action, Schedule, balanced};
 use super::{DType, DataType, OpDesc, OpKind, Reduce, ReduceOp};
 use crate::error::{DdpError, Result};
+use crate::failure::FailureRecord;
 use crate::status::StatusCell;
 use crate::store::Store;
-
-/// Store key holding the first failure report of the group.
-pub(crate) const ABORT_KEY: &str = "bddp/abort";
 
 /// Reduces a received chunk (second argument) into the buffer's bytes (first); the flag marks
 /// the last reduction of a segment.
@@ -466,8 +464,12 @@ impl TcpTransport {
             | Failure::Protocol { peer, detail } => (peer, detail),
         };
         let own = format!("{detail}; seen by rank {} in {op}", self.rank);
-        let cause = match self.store.compare_set(ABORT_KEY, b"", own.as_bytes()) {
-            Ok(agreed) => String::from_utf8_lossy(&agreed).into_owned(),
+        let record = FailureRecord {
+            culprit: Some(culprit),
+            cause: own.clone(),
+        };
+        let cause = match record.agree(&self.store) {
+            Ok(agreed) => agreed.cause,
             Err(e) => format!(
                 "{own}; the store is unreachable too ({e}), so rank 0, which hosts it, has \
                  probably failed{}",
@@ -492,8 +494,12 @@ impl TcpTransport {
     /// records it as the group's failure unless one is recorded already, and closes every
     /// connection so the peers stop too. Returns the agreed cause.
     pub(crate) fn abort(&mut self, reason: &str) -> String {
-        let cause = match self.store.compare_set(ABORT_KEY, b"", reason.as_bytes()) {
-            Ok(agreed) => String::from_utf8_lossy(&agreed).into_owned(),
+        let record = FailureRecord {
+            culprit: None,
+            cause: reason.to_string(),
+        };
+        let cause = match record.agree(&self.store) {
+            Ok(agreed) => agreed.cause,
             Err(_) => reason.to_string(),
         };
         for p in self.peers.iter().flatten() {
