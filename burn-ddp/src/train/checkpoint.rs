@@ -205,6 +205,11 @@ impl Snapshot {
             .map_err(|e| format!("optimizer record: {e}"))?;
         let scheduler = LrSchedulerRecord::from_bytes(bytes(&self.scheduler))
             .map_err(|e| format!("learning-rate schedule record: {e}"))?;
+        // burn's `load_model` panics on a record that does not fit: try it on a copy first.
+        learner
+            .model()
+            .try_load_record(model.clone())
+            .map_err(|e| format!("the checkpoint's model does not fit this model: {e}"))?;
         learner.load_model(model);
         learner.load_optim(optim);
         learner.load_scheduler(scheduler);

@@ -709,3 +709,48 @@ fn a_rank_that_skips_a_step_stops_every_rank_with_a_desync_error() {
         );
     }
 }
+
+#[test]
+fn a_checkpoint_of_another_model_is_an_error_not_a_panic() {
+    let dir = scratch_dir("other-model");
+    let config = CheckpointConfig::new(&dir);
+    let written = run_job(&Job {
+        world: 1,
+        checkpoints: Some(config.clone()),
+        fail_at: None,
+        count: None,
+    });
+    assert!(written[0].is_ok());
+    // The same directory, a model with an extra layer.
+    let errors = run_world(1, options(30), |group| {
+        let device = Device::flex().autodiff();
+        let group = Arc::new(group);
+        let sampler = DistributedSampler::for_group(&group);
+        let loader = || {
+            DataLoaderBuilder::new(ToBatch)
+                .batch_size(4)
+                .build(sampler.dataset(Points(8)))
+        };
+        let model = {
+            let _guard = SEED_LOCK.lock().unwrap_or_else(|p| p.into_inner());
+            let net = Net::new(&device, true);
+            flat_parameters(&net);
+            net
+        };
+        let learner = DdpLearner::with_group(group.clone(), model, SgdConfig::new().init(), 0.1)
+            .checkpoints(config.clone());
+        SupervisedTraining::new(std::env::temp_dir(), loader(), loader())
+            .renderer(Box::new(QuietRenderer))
+            .with_application_logger(None)
+            .launch_ddp(learner)
+            .map(|_| ())
+            .unwrap_err()
+            .to_string()
+    });
+    assert!(
+        errors[0].contains("checkpoint") && errors[0].contains("does not fit this model"),
+        "{}",
+        errors[0]
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
