@@ -1,16 +1,18 @@
 //! The desync check that travels with every gradient bucket.
 //!
 //! Each bucket ends with a fingerprint of what it is: the epoch and step of training it belongs
-//! to, the bucket's index and a hash of its size, as six integers below 256. They are summed with
-//! the gradients; afterwards each rank compares the sums with `world × its own values`. When all
-//! ranks reduced the same step and bucket the two agree on every rank; when they do not (a rank
-//! skipped or added a step, or ranks pack buckets differently) they differ on at least the ranks
-//! holding the largest and the smallest value, which stop the group. Integers below 256 summed
-//! over up to 65 000 ranks are exact in `f32`, so the check has no false alarms. Its cost: six
-//! values per bucket and a comparison.
+//! to, the bucket's index and a hash of its size, 48 bits written as twelve 4-bit digits `d`,
+//! each followed by `d²`. They are summed with the gradients; afterwards each rank compares the
+//! sums with `world × d` and `world × d²` for its own digits. Equal sums of values and of squares
+//! mean every rank holds the same digit (their variance is zero), so when ranks disagree (a rank
+//! skipped or added a step, or ranks pack buckets differently) every rank notices, at once.
+//! The sums stay below 2²⁴ for up to 65 536 ranks, exact in `f32`: no false alarms. Its cost:
+//! 24 values per bucket and a comparison.
 
-/// Values a fingerprint adds to a bucket.
-pub(crate) const FINGERPRINT_LEN: usize = 6;
+/// 4-bit digits of a fingerprint.
+const DIGITS: usize = 12;
+/// Values a fingerprint adds to a bucket (each digit and its square).
+pub(crate) const FINGERPRINT_LEN: usize = 2 * DIGITS;
 
 /// What one bucket of one reduction is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -26,48 +28,56 @@ pub(crate) struct Fingerprint {
 }
 
 impl Fingerprint {
-    fn bytes(&self) -> [u8; FINGERPRINT_LEN] {
+    fn bytes(&self) -> [u8; DIGITS / 2] {
         let s = (self.step as u16).to_le_bytes();
         let b = (self.bucket as u16).to_le_bytes();
         let h = (self.len as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15) >> 56;
         [s[0], s[1], self.epoch as u8, b[0], b[1], h as u8]
     }
 
-    /// The values to append to the bucket.
+    fn digits(&self) -> [u8; DIGITS] {
+        let b = self.bytes();
+        std::array::from_fn(|i| (b[i / 2] >> (4 * (i % 2))) & 0xf)
+    }
+
+    /// The values to append to the bucket: each digit, then its square.
     pub(crate) fn values(&self) -> [f32; FINGERPRINT_LEN] {
-        self.bytes().map(f32::from)
+        let d = self.digits();
+        std::array::from_fn(|i| {
+            let v = f32::from(d[i / 2]);
+            if i % 2 == 0 { v } else { v * v }
+        })
     }
 
     /// Checks the summed fingerprint of the reduced bucket; the error says what this rank
     /// reduced and, when the other ranks agree among themselves, what they reduced.
     pub(crate) fn check(&self, summed: &[f32], world: usize) -> Result<(), String> {
-        let own = self.bytes();
         let n = world as f32;
-        if summed.len() == FINGERPRINT_LEN
-            && summed.iter().zip(own).all(|(s, o)| *s == n * f32::from(o))
-        {
+        let own = self.values();
+        if summed.len() == FINGERPRINT_LEN && summed.iter().zip(own).all(|(s, o)| *s == n * o) {
             return Ok(());
         }
-        // The others' values, if they all hold the same.
+        // The others' digits, if they all hold the same: (sum - own) / (world - 1).
         let others: Option<Vec<u8>> = (world > 1 && summed.len() == FINGERPRINT_LEN)
             .then(|| {
-                summed
-                    .iter()
-                    .zip(own)
-                    .map(|(s, o)| {
-                        let v = (s - f32::from(o)) / (n - 1.0);
-                        (v.fract() == 0.0 && (0.0..256.0).contains(&v)).then_some(v as u8)
+                (0..DIGITS)
+                    .map(|i| {
+                        let v = (summed[2 * i] - own[2 * i]) / (n - 1.0);
+                        (v.fract() == 0.0 && (0.0..16.0).contains(&v)).then_some(v as u8)
                     })
                     .collect()
             })
             .flatten();
         let theirs = match others {
-            Some(b) => format!(
-                "the other ranks reduce epoch {} step {} bucket {}",
-                b[2],
-                u16::from_le_bytes([b[0], b[1]]),
-                u16::from_le_bytes([b[3], b[4]]) as usize + 1,
-            ),
+            Some(d) => {
+                let b: Vec<u8> = d.chunks(2).map(|p| p[0] | (p[1] << 4)).collect();
+                format!(
+                    "the other ranks reduce epoch {} step {} bucket {}",
+                    b[2],
+                    u16::from_le_bytes([b[0], b[1]]),
+                    u16::from_le_bytes([b[3], b[4]]) as usize + 1,
+                )
+            }
             None => "the other ranks reduce something else".to_string(),
         };
         Err(format!(
@@ -112,8 +122,19 @@ mod tests {
             fps[2] = odd;
             let s = summed(&fps);
             let caught = fps.iter().filter(|f| f.check(&s, 5).is_err()).count();
-            assert!(caught >= 1, "{odd:?} went unnoticed");
+            assert_eq!(caught, 5, "{odd:?}: every rank must notice");
         }
+        // Three ranks whose digits average to the middle one's: all still notice.
+        let (lo, mid, hi) = (f(0, 1, 0, 0), f(0, 2, 0, 0), f(0, 3, 0, 0));
+        let s = summed(&[lo, mid, hi]);
+        assert!(
+            mid.check(&s, 3).is_err(),
+            "the rank at the mean must notice too"
+        );
+        // The largest world keeps sums exact: no false alarm.
+        let big = f(255, 65_535, 65_535, usize::MAX);
+        let sums: Vec<f32> = big.values().iter().map(|v| v * 65_536.0).collect();
+        assert!(big.check(&sums, 65_536).is_ok());
         let pair = [f(1, 9, 0, 10), f(1, 10, 0, 10)];
         let e = pair[0].check(&summed(&pair), 2).unwrap_err();
         assert!(

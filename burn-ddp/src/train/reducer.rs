@@ -117,7 +117,7 @@ impl GradientReducer {
     }
 
     /// Whether buckets carry and check a fingerprint (default true; every rank must choose the
-    /// same). It costs six values per bucket; switch it off only to measure that cost.
+    /// same). It costs 24 values per bucket; switch it off only to measure that cost.
     pub fn desync_check(mut self, check: bool) -> Self {
         self.check = check;
         self
