@@ -17,6 +17,7 @@ use crate::collectives::tcp::{TcpConfig, TcpTransport, mesh};
 use crate::collectives::{DataType, Reduce, ReduceOp, Work};
 use crate::env::{DEFAULT_MASTER_PORT, LaunchEnv};
 use crate::error::{DdpError, Result};
+use crate::failure::FailureRecord;
 use crate::secret::JobSecret;
 use crate::status::StatusBoard;
 use crate::store::{Store, StoreServer};
@@ -451,22 +452,37 @@ impl ProcessGroup {
     /// unless another was recorded first, this rank's connections close, and the peers' next
     /// collectives fail with it. Returns the agreed cause.
     pub fn abort(&self, reason: &str) -> String {
-        let reason = reason.to_string();
-        self.submit(move |t| Ok(t.abort(&reason)))
+        let record = FailureRecord {
+            culprit: None,
+            cause: reason.to_string(),
+        };
+        self.submit(move |t| Ok(t.abort(record)))
             .wait()
             .unwrap_or_else(|e| e.to_string())
     }
 
     /// The group's recorded failure, if any rank recorded one (read from the store).
     pub fn recorded_failure(&self) -> Option<String> {
-        crate::failure::FailureRecord::read(&self.store).map(|r| r.cause)
+        FailureRecord::read(&self.store).map(|r| r.cause)
     }
 }
 
 impl Drop for ProcessGroup {
     /// Lets queued collectives finish (each bounded by the timeout), tells the peers this rank
-    /// leaves, and stops the store if this rank serves it.
+    /// leaves, and stops the store if this rank serves it. Dropped while the thread panics, the
+    /// group is aborted instead, and the peers learn that this rank panicked and where.
     fn drop(&mut self) {
+        if std::thread::panicking() && self.world_size > 1 {
+            let record = FailureRecord {
+                culprit: Some(self.rank),
+                cause: format!(
+                    "rank {} panicked while {}",
+                    self.rank,
+                    self.status.current()
+                ),
+            };
+            let _ = self.submit(move |t| Ok(t.abort(record)));
+        }
         self.jobs.take();
         if let Some(w) = self.worker.take() {
             let _ = w.join();

@@ -340,33 +340,46 @@ fn a_rank_that_dies_before_joining_is_named_within_the_rendezvous_timeout() {
     assert!(start.elapsed() < timeout * 2, "{:?}", start.elapsed());
 }
 
-#[test]
-fn a_rank_that_dies_in_its_forward_pass_is_named_with_where_it_was() {
+/// Rank 1 of 3 dies in its third forward pass (`how`: extra variables); the others must name
+/// it and where it was.
+fn rank_dies_in_forward(how: &[(&'static str, String)], expected_code: i32, cause: &str) {
     let timeout = Duration::from_secs(5);
     let env = [("BURN_DDP_TIMEOUT", timeout.as_secs().to_string())];
     let (_store, mut ranks) = training_job(3, &env, |r| {
+        let mut vars = how.to_vec();
         if r == 1 {
-            vec![("BDDP_DIE_AT_FORWARD", "3".to_string())]
-        } else {
-            vec![]
+            vars.push(("BDDP_DIE_AT_FORWARD", "3".to_string()));
         }
+        vars
     });
     let (code, err) = finish(&mut ranks.0[1], Instant::now() + Duration::from_secs(120));
-    assert_eq!(code, Some(9), "{err}");
+    assert_eq!(code, Some(expected_code), "{err}");
     let died = Instant::now();
     for r in [0, 2] {
         let (code, err) = finish(&mut ranks.0[r], died + timeout * 2);
         let line = rank_error(&err);
         assert_eq!(code, Some(COLLECTIVE_FAILED), "rank {r}: {err}");
-        assert!(
-            line.contains("rank 1 closed its connection"),
-            "rank {r}: {line}"
-        );
+        assert!(line.contains(cause), "rank {r}: {line}");
         assert!(
             line.contains("rank 1: training, epoch 1, step 3"),
             "rank {r}: {line}"
         );
     }
+}
+
+#[test]
+fn a_rank_that_exits_in_its_forward_pass_is_named_with_where_it_was() {
+    rank_dies_in_forward(&[], 9, "rank 1 closed its connection");
+}
+
+#[test]
+fn a_rank_that_panics_in_its_forward_pass_is_named_with_where_it_was() {
+    // The test harness turns the panic into exit code 101.
+    rank_dies_in_forward(
+        &[("BDDP_DIE_BY_PANIC", "1".to_string())],
+        101,
+        "rank 1 panicked while training, epoch 1, step 3",
+    );
 }
 
 #[test]

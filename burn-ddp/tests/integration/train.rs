@@ -114,6 +114,9 @@ impl Net {
             && var("BDDP_DIE_AT_FORWARD").is_some_and(|v| v == n.to_string())
         {
             std::thread::sleep(std::time::Duration::from_millis(400));
+            if var("BDDP_DIE_BY_PANIC").is_some() {
+                panic!("simulated panic in forward pass {n}");
+            }
             eprintln!("DYING in forward pass {n}");
             std::process::exit(9);
         }

@@ -490,17 +490,14 @@ impl TcpTransport {
         }
     }
 
-    /// Stops the group on this rank for `reason` (found above the transport, e.g. a desync):
-    /// records it as the group's failure unless one is recorded already, and closes every
-    /// connection so the peers stop too. Returns the agreed cause.
-    pub(crate) fn abort(&mut self, reason: &str) -> String {
-        let record = FailureRecord {
-            culprit: None,
-            cause: reason.to_string(),
-        };
+    /// Stops the group on this rank for a failure found above the transport (a desync, a
+    /// panic): records it as the group's failure unless one is recorded already, and closes
+    /// every connection so the peers stop too. Returns the agreed cause.
+    pub(crate) fn abort(&mut self, record: FailureRecord) -> String {
+        let reason = record.cause.clone();
         let cause = match record.agree(&self.store) {
             Ok(agreed) => agreed.cause,
-            Err(_) => reason.to_string(),
+            Err(_) => reason,
         };
         for p in self.peers.iter().flatten() {
             let _ = p.stream.shutdown(Shutdown::Both);
