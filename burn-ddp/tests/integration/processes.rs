@@ -17,7 +17,7 @@ use burn_ddp::train::{CheckpointConfig, inspect_checkpoint};
 use burn_ddp::{DdpError, ProcessGroup, ReduceOp};
 
 use crate::common::digest;
-use crate::train::{Job, fresh_net, seeded_net, train_rank};
+use crate::train::{Job, new_net, train_rank};
 
 const ENTRY: &str = "processes::rank_process";
 /// Exit code of a rank whose collective failed as expected.
@@ -108,7 +108,7 @@ fn rank_process() {
                 fail_at: None,
                 count: None,
             };
-            let model = if rank == 0 { seeded_net() } else { fresh_net() };
+            let model = new_net((rank == 0).then_some(7), false);
             match train_rank(Arc::new(group), model, &job, ballast) {
                 Ok(params) => {
                     let digest = digest(bytemuck::cast_slice(&params));

@@ -169,23 +169,31 @@ const DATA: usize = 48;
 /// Serialises seeding and initialisation across test threads.
 static SEED_LOCK: Mutex<()> = Mutex::new(());
 
+/// A model initialised now under the seed lock, from `seed` (or whatever the device generator
+/// holds): burn initialises lazily, drawing from the generator other test threads seed, so the
+/// values are read before the lock is released.
+pub(crate) fn new_net(seed: Option<u64>, extra: bool) -> Net {
+    let device = Device::flex().autodiff();
+    let _guard = SEED_LOCK.lock().unwrap_or_else(|p| p.into_inner());
+    if let Some(seed) = seed {
+        device.seed(seed);
+    }
+    let net = Net::new(&device, extra);
+    flat_parameters(&net);
+    net
+}
+
 /// Trains on `world` thread ranks. Rank 0 starts from the seed-7 model; other ranks from
 /// different weights, which the start-up broadcast must replace.
 fn train(run: &Run) -> Vec<Outcome> {
-    let device = Device::flex().autodiff();
-    // The device's random generator is shared by every test thread of this process.
-    let guard = SEED_LOCK.lock().unwrap_or_else(|p| p.into_inner());
     let models: Vec<Option<Net>> = (0..run.world)
         .map(|r| {
-            device.seed(if r == 0 { 7 } else { 1000 + r as u64 });
-            // Read the values now: initialisation is lazy, and runs with whatever seed the
-            // device has when it finally executes.
-            let net = Net::new(&device, run.extra);
-            flat_parameters(&net);
-            Some(net)
+            Some(new_net(
+                Some(if r == 0 { 7 } else { 1000 + r as u64 }),
+                run.extra,
+            ))
         })
         .collect();
-    drop(guard);
     let models = Mutex::new(models);
     run_world(run.world, options(60), |group: ProcessGroup| {
         let rank = group.rank();
@@ -274,11 +282,7 @@ fn equivalence(world: usize, accumulation: Option<usize>) {
     let err = relative_error(&ddp[0].params, &reference[0].params);
     eprintln!("world {world}, accumulation {accumulation:?}: relative error {err:e}");
     assert!(err <= 1e-5, "world {world}: relative error {err:e}");
-    let device = Device::flex().autodiff();
-    let guard = SEED_LOCK.lock().unwrap_or_else(|p| p.into_inner());
-    device.seed(7);
-    let start = flat_parameters(&Net::new(&device, false));
-    drop(guard);
+    let start = flat_parameters(&new_net(Some(7), false));
     assert!(
         relative_error(&ddp[0].params, &start) > 1e-3,
         "training changed nothing"
@@ -368,18 +372,10 @@ impl ManualRank {
 
 #[test]
 fn ranks_hold_identical_parameters_after_every_step() {
-    let device = Device::flex().autodiff();
     let world = 3;
-    let guard = SEED_LOCK.lock().unwrap_or_else(|p| p.into_inner());
     let models: Vec<Option<Net>> = (0..world)
-        .map(|r| {
-            device.seed(50 + r as u64);
-            let net = Net::new(&device, true);
-            flat_parameters(&net);
-            Some(net)
-        })
+        .map(|r| Some(new_net(Some(50 + r as u64), true)))
         .collect();
-    drop(guard);
     let models = Mutex::new(models);
     let steps = run_world(world, options(60), |group| {
         let model = models.lock().unwrap()[group.rank()].take().unwrap();
@@ -417,37 +413,16 @@ fn ranks_hold_identical_parameters_after_every_step() {
 
 #[test]
 fn ranks_with_different_models_or_settings_stop_naming_the_difference() {
-    let device = Device::flex().autodiff();
     let errors = run_world(2, options(30), |group| {
         let group = Arc::new(group);
         let rank = group.rank();
-        let launch = |model: Net, batch: usize| {
-            let sampler = DistributedSampler::for_group(&group);
-            let loader = || {
-                DataLoaderBuilder::new(ToBatch)
-                    .batch_size(batch)
-                    .build(sampler.dataset(Points(8)))
-            };
-            let learner =
-                DdpLearner::with_group(group.clone(), model, SgdConfig::new().init(), 0.1)
-                    .setting("batch_size", batch);
-            SupervisedTraining::new(std::env::temp_dir(), loader(), loader())
-                .renderer(Box::new(QuietRenderer))
-                .with_application_logger(None)
-                .launch_ddp(learner)
-                .map(|_| ())
-                .unwrap_err()
-                .to_string()
+        let learner = |model, batch: usize| {
+            DdpLearner::with_group(group.clone(), model, SgdConfig::new().init(), 0.1)
+                .setting("batch_size", batch)
         };
         // Rank 1 has an extra layer, then a different batch size.
-        let model = |extra| {
-            let _guard = SEED_LOCK.lock().unwrap_or_else(|p| p.into_inner());
-            let net = Net::new(&device, extra);
-            flat_parameters(&net);
-            net
-        };
-        let model_error = launch(model(rank == 1), 4);
-        let setting_error = launch(model(false), 4 + rank);
+        let model_error = launch_to_error(learner(new_net(None, rank == 1), 4), 4);
+        let setting_error = launch_to_error(learner(new_net(None, false), 4 + rank), 4 + rank);
         (model_error, setting_error)
     });
     for (model_error, setting_error) in errors {
@@ -465,14 +440,22 @@ fn ranks_with_different_models_or_settings_stop_naming_the_difference() {
     }
 }
 
-/// A model with whatever weights, initialised now under the seed lock (burn initialises lazily,
-/// drawing from the device generator other test threads seed).
-pub(crate) fn fresh_net() -> Net {
-    let device = &Device::flex().autodiff();
-    let _guard = SEED_LOCK.lock().unwrap_or_else(|p| p.into_inner());
-    let net = Net::new(device, false);
-    flat_parameters(&net);
-    net
+/// Trains `learner` for one epoch of 8 samples in batches of `batch`, expecting an error; returns
+/// it in words.
+fn launch_to_error(learner: DdpLearner<Net>, batch: usize) -> String {
+    let sampler = DistributedSampler::for_group(learner.group());
+    let loader = || {
+        DataLoaderBuilder::new(ToBatch)
+            .batch_size(batch)
+            .build(sampler.dataset(Points(8)))
+    };
+    SupervisedTraining::new(std::env::temp_dir(), loader(), loader())
+        .renderer(Box::new(QuietRenderer))
+        .with_application_logger(None)
+        .launch_ddp(learner)
+        .map(|_| ())
+        .unwrap_err()
+        .to_string()
 }
 
 /// A dataset that fails at one position of one epoch (a crash stand-in that hits every rank at
@@ -514,25 +497,15 @@ pub(crate) struct Job {
 const JOB_EPOCHS: usize = 3;
 
 pub(crate) fn run_job(job: &Job) -> Vec<Result<Vec<f32>, String>> {
-    let net = Mutex::new(Some(seeded_net()));
+    let net = Mutex::new(Some(new_net(Some(7), false)));
     run_world(job.world, options(60), |group: ProcessGroup| {
         // Rank 0's model is broadcast to the others.
         let model = match group.rank() {
             0 => net.lock().unwrap().take().unwrap(),
-            _ => fresh_net(),
+            _ => new_net(None, false),
         };
         train_rank(Arc::new(group), model, job, 0)
     })
-}
-
-/// The seed-7 model every job starts from.
-pub(crate) fn seeded_net() -> Net {
-    let device = Device::flex().autodiff();
-    let _guard = SEED_LOCK.lock().unwrap_or_else(|p| p.into_inner());
-    device.seed(7);
-    let net = Net::new(&device, false);
-    flat_parameters(&net);
-    net
 }
 
 /// One rank of a [`Job`] (a thread of [`run_job`] or a process of the process tests); `ballast`
@@ -688,7 +661,7 @@ fn a_rank_that_skips_a_step_stops_every_rank_with_a_desync_error() {
             reducer,
             loader,
             ..
-        } = ManualRank::new(group, fresh_net());
+        } = ManualRank::new(group, new_net(None, false));
         let mut optim = SgdConfig::new().init();
         for (step, batch) in loader.iter().enumerate() {
             // Same shapes, same number of collectives so far: only the fingerprint tells.
@@ -726,29 +699,10 @@ fn a_checkpoint_of_another_model_is_an_error_not_a_panic() {
     assert!(written[0].is_ok());
     // The same directory, a model with an extra layer.
     let errors = run_world(1, options(30), |group| {
-        let device = Device::flex().autodiff();
-        let group = Arc::new(group);
-        let sampler = DistributedSampler::for_group(&group);
-        let loader = || {
-            DataLoaderBuilder::new(ToBatch)
-                .batch_size(4)
-                .build(sampler.dataset(Points(8)))
-        };
-        let model = {
-            let _guard = SEED_LOCK.lock().unwrap_or_else(|p| p.into_inner());
-            let net = Net::new(&device, true);
-            flat_parameters(&net);
-            net
-        };
-        let learner = DdpLearner::with_group(group.clone(), model, SgdConfig::new().init(), 0.1)
+        let model = new_net(None, true);
+        let learner = DdpLearner::with_group(Arc::new(group), model, SgdConfig::new().init(), 0.1)
             .checkpoints(config.clone());
-        SupervisedTraining::new(std::env::temp_dir(), loader(), loader())
-            .renderer(Box::new(QuietRenderer))
-            .with_application_logger(None)
-            .launch_ddp(learner)
-            .map(|_| ())
-            .unwrap_err()
-            .to_string()
+        launch_to_error(learner, 4)
     });
     assert!(
         errors[0].contains("checkpoint") && errors[0].contains("does not fit this model"),

@@ -463,25 +463,19 @@ impl TcpTransport {
             | Failure::Stalled { peer, detail }
             | Failure::Protocol { peer, detail } => (peer, detail),
         };
-        let own = format!("{detail}; seen by rank {} in {op}", self.rank);
         let record = FailureRecord {
             culprit: Some(culprit),
-            cause: own.clone(),
+            cause: format!("{detail}; seen by rank {} in {op}", self.rank),
         };
-        let cause = match record.agree(&self.store) {
-            Ok(agreed) => agreed.cause,
-            Err(e) => format!(
+        let cause = self.stop(record, |own, e| {
+            format!(
                 "{own}; the store is unreachable too ({e}), so rank 0, which hosts it, has \
                  probably failed{}",
                 if culprit == 0 { "" } else { " as well" }
-            ),
-        };
-        for p in self.peers.iter().flatten() {
-            let _ = p.stream.shutdown(Shutdown::Both);
-        }
+            )
+        });
         let ranks = self.status.report();
         log::error!("rank {}: {op} failed: {cause}; ranks: {ranks}", self.rank);
-        self.failed = Some(cause.clone());
         DdpError::Collective {
             rank: self.rank,
             op: op.to_string(),
@@ -494,10 +488,22 @@ impl TcpTransport {
     /// panic): records it as the group's failure unless one is recorded already, and closes
     /// every connection so the peers stop too. Returns the agreed cause.
     pub(crate) fn abort(&mut self, record: FailureRecord) -> String {
-        let reason = record.cause.clone();
+        self.stop(record, |own, _| own.to_string())
+    }
+
+    /// Records `record` as the group's failure unless one is recorded already (first report
+    /// wins), closes every connection so the peers notice at once, and marks the group failed
+    /// on this rank. Returns the agreed cause; `unreachable` words it from this rank's own cause
+    /// when the store cannot be reached.
+    fn stop(
+        &mut self,
+        record: FailureRecord,
+        unreachable: impl FnOnce(&str, DdpError) -> String,
+    ) -> String {
+        let own = record.cause.clone();
         let cause = match record.agree(&self.store) {
             Ok(agreed) => agreed.cause,
-            Err(_) => reason,
+            Err(e) => unreachable(&own, e),
         };
         for p in self.peers.iter().flatten() {
             let _ = p.stream.shutdown(Shutdown::Both);
