@@ -2,7 +2,7 @@
 //! sizes 2 and 3 with per-rank batch b against one process with batch world * b.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 
 use burn::data::dataloader::batcher::Batcher;
 use burn::data::dataloader::{DataLoader, DataLoaderBuilder};
@@ -83,6 +83,19 @@ pub(crate) struct Net {
 
 /// Forward passes so far in this process (for the die-in-forward hook of process tests).
 static FORWARDS: AtomicUsize = AtomicUsize::new(0);
+/// The forward pass this process dies in, if any (see [`die_at_forward`]).
+static DIE_AT_FORWARD: OnceLock<Option<usize>> = OnceLock::new();
+
+/// `BDDP_DIE_AT_FORWARD`, for the rank given it, or for rank `BDDP_DIE_RANK` only when that is
+/// set, and only on the job's first start.
+fn die_at_forward() -> Option<usize> {
+    let var = |k: &str| std::env::var(k).ok();
+    let this_rank = var("BDDP_DIE_RANK").is_none_or(|r| var("RANK") == Some(r));
+    let first_start = var("BURN_DDP_RESTART_COUNT").is_none_or(|c| c == "0");
+    (this_rank && first_start)
+        .then(|| var("BDDP_DIE_AT_FORWARD")?.parse().ok())
+        .flatten()
+}
 
 impl Net {
     pub(crate) fn new(device: &Device, with_extra: bool) -> Self {
@@ -104,17 +117,11 @@ impl Net {
 
     fn forward(&self, b: Batch) -> ClassificationOutput {
         // Process tests make a rank die in its n-th forward pass (after publishing where it
-        // is): the rank given the variable, or rank BDDP_DIE_RANK, on the job's first start.
+        // is). The environment is read once per process.
         let n = FORWARDS.fetch_add(1, Ordering::Relaxed) + 1;
-        let var = |k: &str| std::env::var(k).ok();
-        let this_rank = var("BDDP_DIE_RANK").is_none_or(|r| var("RANK") == Some(r));
-        let first_start = var("BURN_DDP_RESTART_COUNT").is_none_or(|c| c == "0");
-        if this_rank
-            && first_start
-            && var("BDDP_DIE_AT_FORWARD").is_some_and(|v| v == n.to_string())
-        {
+        if DIE_AT_FORWARD.get_or_init(die_at_forward) == &Some(n) {
             std::thread::sleep(std::time::Duration::from_millis(400));
-            if var("BDDP_DIE_BY_PANIC").is_some() {
+            if std::env::var_os("BDDP_DIE_BY_PANIC").is_some() {
                 panic!("simulated panic in forward pass {n}");
             }
             eprintln!("DYING in forward pass {n}");
