@@ -346,12 +346,18 @@ pub(crate) fn save(
             Err(e) => format!("writing {}: {e}", config.path().display()),
         },
     };
-    let all = group.all_gather(outcome.into_bytes()).wait()?;
+    rank_0_outcome(group, "write", outcome)
+}
+
+/// Every rank learns whether rank 0 managed to `verb` the checkpoint (`problem` is empty when it
+/// did; only rank 0's counts), so a failure stops every rank with rank 0's reason.
+fn rank_0_outcome(group: &ProcessGroup, verb: &str, problem: String) -> Result<()> {
+    let all = group.all_gather(problem.into_bytes()).wait()?;
     match all.first().filter(|e| !e.is_empty()) {
         None => Ok(()),
         Some(e) => Err(DdpError::Checkpoint {
             rank: group.rank(),
-            reason: format!("rank 0 could not write it: {}", String::from_utf8_lossy(e)),
+            reason: format!("rank 0 could not {verb} it: {}", String::from_utf8_lossy(e)),
         }),
     }
 }
@@ -362,15 +368,19 @@ pub(crate) fn load(group: &ProcessGroup, config: &CheckpointConfig) -> Result<Op
         rank: group.rank(),
         reason,
     };
-    let raw = if group.rank() == 0 && config.resume {
+    let (raw, problem) = if group.rank() == 0 && config.resume {
         match std::fs::read(config.path()) {
-            Ok(raw) => raw,
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Vec::new(),
-            Err(e) => return Err(fail(format!("reading {}: {e}", config.path().display()))),
+            Ok(raw) => (raw, String::new()),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => (Vec::new(), String::new()),
+            Err(e) => (
+                Vec::new(),
+                format!("reading {}: {e}", config.path().display()),
+            ),
         }
     } else {
-        Vec::new()
+        (Vec::new(), String::new())
     };
+    rank_0_outcome(group, "read", problem)?;
     let len = group
         .broadcast((raw.len() as u64).to_le_bytes().to_vec(), 0)
         .wait()?;

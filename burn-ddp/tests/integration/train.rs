@@ -718,3 +718,32 @@ fn a_checkpoint_of_another_model_is_an_error_not_a_panic() {
     );
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+#[test]
+fn a_checkpoint_rank_0_cannot_read_or_write_stops_every_rank_naming_it() {
+    let job = |dir: std::path::PathBuf| {
+        run_job(&Job {
+            world: 2,
+            checkpoints: Some(CheckpointConfig::new(dir)),
+            fail_at: None,
+            count: None,
+        })
+    };
+    let expect = |results: Vec<Result<Vec<f32>, String>>, verb: &str| {
+        for (r, result) in results.into_iter().enumerate() {
+            let e = result.unwrap_err();
+            let want = format!("rank {r}: checkpoint: rank 0 could not {verb} it");
+            assert!(e.contains(&want), "rank {r}: {e}");
+        }
+    };
+    // The directory lies below a regular file: rank 0 cannot even look for a checkpoint.
+    let blocker = scratch_dir("unreadable");
+    std::fs::write(&blocker, b"not a directory").unwrap();
+    expect(job(blocker.join("ckpt")), "read");
+    let _ = std::fs::remove_file(&blocker);
+    // A directory stands where the temporary file goes: the first write fails.
+    let dir = scratch_dir("unwritable");
+    std::fs::create_dir_all(dir.join("checkpoint.tmp")).unwrap();
+    expect(job(dir.clone()), "write");
+    let _ = std::fs::remove_dir_all(&dir);
+}
