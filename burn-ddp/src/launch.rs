@@ -48,6 +48,14 @@ pub struct LaunchConfig {
     /// How often to restart all ranks after a failure (single node; default 0). Ranks see the
     /// attempt in `BURN_DDP_RESTART_COUNT`; with checkpoints they resume where they stopped.
     pub max_restarts: usize,
+    /// Writes each rank's output to `DIR/rank-N.log` (torchrun's `--log-dir` with
+    /// `--redirects 3`) instead of the terminal, unless [`LaunchConfig::tee`] is set.
+    pub log_dir: Option<PathBuf>,
+    /// With [`LaunchConfig::log_dir`]: also show each rank's output (torchrun's `--tee 3`).
+    pub tee: bool,
+    /// Show the output of these local ranks only (torchrun's `--local-ranks-filter`); `None`:
+    /// every rank. Log files are written for every rank either way.
+    pub local_ranks_filter: Option<Vec<usize>>,
 }
 
 impl LaunchConfig {
@@ -64,6 +72,9 @@ impl LaunchConfig {
             secret: None,
             env: Vec::new(),
             max_restarts: 0,
+            log_dir: None,
+            tee: false,
+            local_ranks_filter: None,
         }
     }
 
