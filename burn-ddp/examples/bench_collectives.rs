@@ -3,12 +3,15 @@
 //! bandwidth, and the ratio of bus bandwidth to a memcpy measured in the same run.
 //!
 //! Run it under a launcher (`burn-ddp-run --nproc 2 target/release/examples/bench_collectives`)
-//! or through `cargo xtask bench-collectives --world 2`. Options: `--sizes 4K,64M`,
-//! `--chunk 512K`, `--spin-us 20`, `--op sum|avg|max`.
+//! or through `cargo xtask bench-collectives --world 2`; it forms its group from the
+//! launcher's environment. Flags (`--help`): `--sizes 4K,64M`, `--chunk 512K`, `--spin-us 20`,
+//! `--op sum|avg|max`.
 
 use std::time::{Duration, Instant};
 
-use burn_ddp::{GroupOptions, ProcessGroup, ReduceOp, env::LaunchEnv};
+use anyhow::Context;
+use burn_ddp::{GroupOptions, ReduceOp, init_process_group_with};
+use clap::Parser;
 
 const DEFAULT_SIZES: &str = "4K,16K,64K,256K,1M,4M,16M,64M,256M";
 
@@ -54,62 +57,55 @@ fn memcpy_gbps(bytes: usize) -> f64 {
     bytes as f64 / median(times).as_secs_f64() / 1e9
 }
 
+/// Times all-reduce over the TCP transport; rank 0 prints the table.
+#[derive(Debug, Parser)]
+#[command(name = "bench_collectives")]
 struct Args {
+    /// Message sizes, comma-separated (K, M, G: binary multiples)
+    #[arg(long, value_name = "SIZES", value_delimiter = ',', value_parser = parse_size,
+          default_value = DEFAULT_SIZES)]
     sizes: Vec<usize>,
+    /// Pipelining chunk of the transport
+    #[arg(long, value_name = "BYTES", value_parser = parse_size, default_value = "512K")]
     chunk: usize,
-    spin: Duration,
-    op: ReduceOp,
+    /// How long a collective spins on its sockets before sleeping, in microseconds
+    #[arg(long, value_name = "US", default_value_t = 20)]
+    spin_us: u64,
+    /// Reduction operator
+    #[arg(long, value_enum, default_value_t = Op::Sum)]
+    op: Op,
 }
 
-fn parse_args() -> Result<Args, String> {
-    let mut args = Args {
-        sizes: Vec::new(),
-        chunk: GroupOptions::default().chunk_bytes,
-        spin: GroupOptions::default().spin,
-        op: ReduceOp::Sum,
-    };
-    let mut sizes = DEFAULT_SIZES.to_string();
-    let mut it = std::env::args().skip(1);
-    while let Some(a) = it.next() {
-        let mut value = || it.next().ok_or(format!("{a} needs a value"));
-        match a.as_str() {
-            "--sizes" => sizes = value()?,
-            "--chunk" => args.chunk = parse_size(&value()?)?,
-            "--spin-us" => {
-                let v = value()?;
-                let us = v.parse().map_err(|_| format!("bad --spin-us {v:?}"))?;
-                args.spin = Duration::from_micros(us);
-            }
-            "--op" => {
-                args.op = match value()?.as_str() {
-                    "sum" => ReduceOp::Sum,
-                    "avg" => ReduceOp::Avg,
-                    "max" => ReduceOp::Max,
-                    o => return Err(format!("unknown op {o}")),
-                }
-            }
-            other => return Err(format!("unknown argument {other}")),
+/// The reductions the benchmark offers.
+#[derive(Debug, Clone, Copy, clap::ValueEnum)]
+enum Op {
+    Sum,
+    Avg,
+    Max,
+}
+
+impl From<Op> for ReduceOp {
+    fn from(op: Op) -> Self {
+        match op {
+            Op::Sum => ReduceOp::Sum,
+            Op::Avg => ReduceOp::Avg,
+            Op::Max => ReduceOp::Max,
         }
     }
-    args.sizes = sizes.split(',').map(parse_size).collect::<Result<_, _>>()?;
-    Ok(args)
 }
 
-fn main() -> Result<(), Box<dyn std::error::Error>> {
-    let args = parse_args()?;
-    let env = LaunchEnv::from_env()?;
-    let mut builder = ProcessGroup::builder(env.rank, env.world_size)
-        .master_port(env.master_port)
-        .options(GroupOptions {
-            chunk_bytes: args.chunk,
-            spin: args.spin,
-            timeout: Duration::from_secs(120),
-            ..GroupOptions::default()
-        });
-    if let Some(addr) = env.master_addr {
-        builder = builder.master_addr(addr);
-    }
-    let group = builder.build()?;
+fn main() -> anyhow::Result<()> {
+    let args = Args::parse();
+    let (op, spin) = (ReduceOp::from(args.op), Duration::from_micros(args.spin_us));
+    // The launcher's group (its store, its secret), with this benchmark's transport settings;
+    // BURN_DDP_TIMEOUT still overrides the timeout.
+    let group = init_process_group_with(GroupOptions {
+        chunk_bytes: args.chunk,
+        spin,
+        timeout: Duration::from_secs(120),
+        ..GroupOptions::default()
+    })
+    .context("forming the process group")?;
     let (rank, n) = (group.rank(), group.world_size());
 
     let largest = args.sizes.iter().copied().max().unwrap_or(0).max(1 << 20);
@@ -118,9 +114,9 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     if rank == 0 {
         println!(
             "burn-ddp all-reduce (TCP ring), world {n}, f32 {:?}, chunk {}, spin {:?}",
-            args.op,
+            op,
             human(args.chunk),
-            args.spin
+            spin
         );
         println!("memcpy ({}, one thread): {memcpy:.2} GB/s", human(largest));
         println!(
@@ -134,12 +130,12 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         let iters = ((2usize << 30) / size.max(1)).clamp(5, 200);
         let mut buf = vec![0.0f32; elems];
         for _ in 0..(iters / 4).max(2) {
-            buf = group.all_reduce(buf, args.op).wait()?;
+            buf = group.all_reduce(buf, op).wait()?;
         }
         let mut times = Vec::with_capacity(iters);
         for _ in 0..iters {
             let t = Instant::now();
-            buf = group.all_reduce(buf, args.op).wait()?;
+            buf = group.all_reduce(buf, op).wait()?;
             times.push(t.elapsed());
         }
         // The slowest rank's median is the operation's time.

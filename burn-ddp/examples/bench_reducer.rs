@@ -3,12 +3,16 @@
 //! fingerprint, in alternating blocks so that both see the same machine.
 //!
 //! ```text
-//! cargo run --release -p burn-ddp --example bench_reducer [-- STEPS_PER_BLOCK BLOCKS]
+//! cargo run --release -p burn-ddp --example bench_reducer [-- STEPS_PER_BLOCK [BLOCKS]]
 //! ```
+//!
+//! Both ranks are threads of this one process, connected through a store it serves itself on
+//! an ephemeral port, so it needs no launcher (and ignores one's variables).
 
 use std::sync::Arc;
 use std::time::Instant;
 
+use anyhow::Context;
 use burn::module::Module;
 use burn::nn::loss::CrossEntropyLossConfig;
 use burn::nn::{Linear, LinearConfig, Relu};
@@ -17,6 +21,8 @@ use burn::tensor::{Device, Int, Tensor, TensorData};
 use burn_ddp::ProcessGroup;
 use burn_ddp::store::StoreServer;
 use burn_ddp::train::{BucketConfig, GradientReducer, broadcast_module};
+use clap::Parser;
+use clap::builder::RangedU64ValueParser;
 
 /// The quickstart's model: 16 features, 64 hidden, 4 classes.
 #[derive(Module, Debug)]
@@ -76,11 +82,23 @@ fn rank(group: ProcessGroup, steps: usize, blocks: usize) -> Result<Timings, bur
     Ok((with, without))
 }
 
-fn main() -> Result<(), Box<dyn std::error::Error>> {
-    let mut args = std::env::args().skip(1);
-    let steps: usize = args.next().map_or(Ok(500), |v| v.parse())?;
-    let blocks: usize = args.next().map_or(Ok(20), |v| v.parse())?;
-    let server = StoreServer::bind("127.0.0.1:0")?;
+/// Cost of the desync check per training step, on two ranks (threads).
+#[derive(Debug, Parser)]
+#[command(name = "bench_reducer")]
+struct Args {
+    /// Training steps per timed block
+    #[arg(value_name = "STEPS_PER_BLOCK", default_value_t = 500,
+          value_parser = RangedU64ValueParser::<usize>::new().range(1..))]
+    steps: usize,
+    /// Pairs of blocks (with, then without the check)
+    #[arg(value_name = "BLOCKS", default_value_t = 20,
+          value_parser = RangedU64ValueParser::<usize>::new().range(1..))]
+    blocks: usize,
+}
+
+fn main() -> anyhow::Result<()> {
+    let Args { steps, blocks } = Args::parse();
+    let server = StoreServer::bind("127.0.0.1:0").context("serving the store")?;
     let port = server.local_addr().port();
     let results = std::thread::scope(|s| {
         let ranks: Vec<_> = (0..2)
@@ -99,7 +117,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             .into_iter()
             .map(|h| h.join().expect("a rank panicked"))
             .collect::<Result<Vec<_>, _>>()
-    })?;
+    })
+    .context("benchmark rank")?;
     let (with, without) = &results[0];
     let diffs: Vec<f64> = with.iter().zip(without).map(|(a, b)| a - b).collect();
     let (cost, se) = mean_se(&diffs);

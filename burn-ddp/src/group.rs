@@ -22,6 +22,9 @@ use crate::secret::JobSecret;
 use crate::status::StatusBoard;
 use crate::store::{Store, StoreServer};
 
+mod init;
+pub use init::{init_process_group, init_process_group_with};
+
 /// Options of a process group. The defaults suit training; tests shorten the timeouts.
 #[derive(Debug, Clone)]
 pub struct GroupOptions {
@@ -308,12 +311,6 @@ impl std::fmt::Debug for ProcessGroup {
     }
 }
 
-/// Forms the process group described by the environment (see [`LaunchEnv`]); a world of one
-/// when no launcher variables are set.
-pub fn init_process_group() -> Result<ProcessGroup> {
-    ProcessGroup::from_env()
-}
-
 impl ProcessGroup {
     /// A builder for rank `rank` of `world_size`.
     pub fn builder(rank: usize, world_size: usize) -> ProcessGroupBuilder {
@@ -338,7 +335,16 @@ impl ProcessGroup {
 
     /// Forms the group described by `env`.
     pub fn from_launch_env(env: &LaunchEnv) -> Result<Self> {
+        Self::builder_from_env(env, GroupOptions::default()).build()
+    }
+
+    /// The builder of the group `env` describes, with `options` under the environment's
+    /// settings (`BURN_DDP_TIMEOUT` and `BURN_DDP_RENDEZVOUS_TIMEOUT` replace their timeouts).
+    /// The one mapping from launcher variables to a group: every way of forming a group from
+    /// the environment goes through it.
+    pub fn builder_from_env(env: &LaunchEnv, options: GroupOptions) -> ProcessGroupBuilder {
         let mut b = Self::builder(env.rank, env.world_size)
+            .options(options)
             .local_rank(env.local_rank)
             .local_world_size(env.local_world_size)
             .master_port(env.master_port);
@@ -360,7 +366,7 @@ impl ProcessGroup {
         if env.agent_store {
             b = b.host_store(false);
         }
-        b.build()
+        b
     }
 
     /// This process's rank.

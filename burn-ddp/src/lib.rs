@@ -12,7 +12,7 @@
 //! - [`collectives`]: element types, reduction operators, and the TCP transport (a pipelined
 //!   ring, gloo-like) that serves CPU training and every test;
 //! - [`launch`]: starting N rank processes of a program, as torchrun does (serving the store
-//!   and generating the job [`secret`]);
+//!   and generating the job [`secret`]); `cli` (feature `cli`): the launcher's flags;
 //! - [`status`]: where each rank is, published so that failures say where every rank was;
 //! - `train` (feature `train`): `DdpLearner`, bucketing, `DistributedSampler`, checkpoints.
 //!
@@ -25,6 +25,8 @@
 //! # Ok::<(), burn_ddp::DdpError>(())
 //! ```
 
+#[cfg(feature = "cli")]
+pub mod cli;
 pub mod collectives;
 pub mod env;
 mod error;
@@ -40,4 +42,6 @@ mod wire;
 
 pub use collectives::{DType, DataType, OpDesc, OpKind, Reduce, ReduceOp, Work};
 pub use error::{DdpError, Result};
-pub use group::{GroupOptions, ProcessGroup, ProcessGroupBuilder, init_process_group};
+pub use group::{
+    GroupOptions, ProcessGroup, ProcessGroupBuilder, init_process_group, init_process_group_with,
+};

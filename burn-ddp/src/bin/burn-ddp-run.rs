@@ -1,57 +1,49 @@
-//! `burn-ddp-run`: starts N ranks of a program with the torchrun variables set.
+//! `burn-ddp-run`: starts N ranks of a program with the torchrun variables set, as `torchrun`
+//! does. Everything after the program goes to the program untouched.
 //!
 //! ```text
 //! burn-ddp-run --nproc 4 [--nnodes M --node-rank R --master-addr A --master-port P]
-//!              [--max-restarts K] PROGRAM [ARGS...]
+//!              [--max-restarts K] [--log-dir DIR [--tee]] [--local-ranks-filter 0,3]
+//!              PROGRAM [ARGS...]
 //! ```
+//!
+//! `burn-ddp-run --help` lists the flags (`burn_ddp::cli::LaunchArgs`, shared with
+//! `cargo xtask multi-cpu|multi-gpu`).
 
+use std::ffi::OsString;
 use std::process::ExitCode;
 
-use burn_ddp::launch::{LaunchConfig, launch};
+use burn_ddp::cli::LaunchArgs;
+use burn_ddp::launch::launch;
+use clap::Parser;
 
-const USAGE: &str = "usage: burn-ddp-run --nproc N [--nnodes M] [--node-rank R] \
-                     [--master-addr HOST] [--master-port PORT] [--max-restarts K] PROGRAM [ARGS...]";
-
-fn parse(args: Vec<String>) -> Result<LaunchConfig, String> {
-    let mut cfg = LaunchConfig::new("", 1);
-    let mut it = args.into_iter();
-    while let Some(arg) = it.next() {
-        let mut value = |name: &str| it.next().ok_or(format!("{name} needs a value"));
-        let number = |name: &str, v: String| {
-            v.parse::<usize>()
-                .map_err(|_| format!("{name} expects a number, got {v:?}"))
-        };
-        match arg.as_str() {
-            "--nproc" | "--nproc-per-node" => cfg.nproc_per_node = number(&arg, value(&arg)?)?,
-            "--nnodes" => cfg.nnodes = number(&arg, value(&arg)?)?,
-            "--node-rank" => cfg.node_rank = number(&arg, value(&arg)?)?,
-            "--master-addr" => cfg.master_addr = value(&arg)?,
-            "--master-port" => {
-                let v = value(&arg)?;
-                cfg.master_port = Some(v.parse().map_err(|_| format!("bad port {v:?}"))?);
-            }
-            "--max-restarts" => cfg.max_restarts = number(&arg, value(&arg)?)?,
-            "-h" | "--help" => return Err(USAGE.into()),
-            _ if arg.starts_with("--") => return Err(format!("unknown option {arg}\n{USAGE}")),
-            _ => {
-                cfg.program = arg.into();
-                cfg.args = it.map(Into::into).collect();
-                return Ok(cfg);
-            }
-        }
-    }
-    Err(format!("no program given\n{USAGE}"))
+/// Starts N ranks of PROGRAM, as torchrun does.
+///
+/// Each rank gets the torchrun variables (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE,
+/// MASTER_ADDR, MASTER_PORT); the launcher serves the job's store, prefixes each output line
+/// with its rank, and when a rank fails stops the others and names the one that failed first.
+#[derive(Debug, Parser)]
+#[command(name = "burn-ddp-run", version)]
+#[command(mut_arg("nproc_per_node", |a| a.default_value("1")))]
+struct Cli {
+    #[command(flatten)]
+    launch: LaunchArgs,
+    /// The program each rank runs, then its arguments (passed on untouched)
+    #[arg(
+        required = true,
+        trailing_var_arg = true,
+        value_name = "PROGRAM [ARGS]"
+    )]
+    command: Vec<OsString>,
 }
 
 fn main() -> ExitCode {
-    let cfg = match parse(std::env::args().skip(1).collect()) {
-        Ok(c) => c,
-        Err(e) => {
-            eprintln!("{e}");
-            return ExitCode::from(2);
-        }
-    };
-    match launch(&cfg) {
+    let cli = Cli::parse();
+    let (program, args) = cli
+        .command
+        .split_first()
+        .expect("clap requires the program");
+    match launch(&cli.launch.config(program, args)) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("burn-ddp-run: {e}");

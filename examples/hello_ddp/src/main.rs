@@ -3,11 +3,21 @@
 //! ```text
 //! cargo xtask multi-cpu --nproc 3 --example hello_ddp
 //! ```
+//!
+//! It takes no flags (`--help` says so).
 
 use anyhow::Context;
 use burn_ddp::{ReduceOp, init_process_group};
+use clap::Parser;
+
+/// Forms the process group from the launcher's environment, all-reduces the ranks and prints
+/// who took part.
+#[derive(Debug, Parser)]
+#[command(name = "hello_ddp")]
+struct Cli {}
 
 fn main() -> anyhow::Result<()> {
+    Cli::parse();
     env_logger::Builder::from_env(env_logger::Env::default().default_filter_or("warn")).init();
     let group = init_process_group().context("forming the process group")?;
     let (rank, world) = (group.rank(), group.world_size());

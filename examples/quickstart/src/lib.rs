@@ -5,6 +5,9 @@
 use std::path::PathBuf;
 use std::sync::Arc;
 
+mod config;
+pub use config::{Config, Flags};
+
 use anyhow::{Context, Result, bail};
 use burn::data::dataloader::DataLoaderBuilder;
 use burn::data::dataloader::batcher::Batcher;
@@ -264,95 +267,6 @@ impl InferenceStep for MyModel {
     }
 }
 
-/// Options of a quickstart run (the binaries' flags).
-#[derive(Debug, Clone)]
-pub struct Config {
-    /// Epochs.
-    pub epochs: usize,
-    /// Batch size per rank.
-    pub batch_size: usize,
-    /// Learning rate.
-    pub lr: f64,
-    /// Seed of initialisation and shuffling.
-    pub seed: u64,
-    /// `cpu` or `cuda`.
-    pub device: String,
-    /// Where rank 0 writes the final parameters (safetensors).
-    pub save_model: Option<PathBuf>,
-    /// Training samples of the synthetic set.
-    pub samples: usize,
-    /// Train on the handwritten digits at this path instead of the synthetic set.
-    pub digits: Option<PathBuf>,
-    /// Directory of burn-train's logs and checkpoints.
-    pub artifacts: PathBuf,
-    /// Train with plain burn `Learner` instead of `DdpLearner` (world of one only; for
-    /// measuring DdpLearner's overhead).
-    pub plain: bool,
-    /// Render no progress (benchmarks).
-    pub quiet: bool,
-    /// Where rank 0 writes timing and accuracy as `key=value` (benchmarks).
-    pub report: Option<PathBuf>,
-    /// Directory of burn-ddp checkpoints (written every epoch; resumed from when present).
-    pub checkpoint_dir: Option<PathBuf>,
-    /// Also checkpoint every this many optimizer steps (with `--checkpoint-dir`).
-    pub checkpoint_every: usize,
-    /// Switch off the per-bucket desync check (only to measure its cost).
-    pub no_desync_check: bool,
-}
-
-impl Default for Config {
-    fn default() -> Self {
-        Config {
-            epochs: 10,
-            batch_size: 32,
-            lr: 0.001,
-            seed: 42,
-            device: "cpu".into(),
-            save_model: None,
-            samples: 4096,
-            digits: None,
-            artifacts: std::env::temp_dir().join("burn-ddp-quickstart"),
-            plain: false,
-            quiet: false,
-            report: None,
-            checkpoint_dir: None,
-            checkpoint_every: 0,
-            no_desync_check: false,
-        }
-    }
-}
-
-impl Config {
-    /// Applies command-line flags (see the binaries' docs) on top of `self`.
-    pub fn parse_args(mut self, args: impl IntoIterator<Item = String>) -> Result<Self> {
-        let mut args = args.into_iter();
-        while let Some(flag) = args.next() {
-            let mut value = || args.next().with_context(|| format!("{flag} needs a value"));
-            match flag.as_str() {
-                "--epochs" => self.epochs = value()?.parse().context("--epochs")?,
-                "--batch-size" => self.batch_size = value()?.parse().context("--batch-size")?,
-                "--lr" => self.lr = value()?.parse().context("--lr")?,
-                "--seed" => self.seed = value()?.parse().context("--seed")?,
-                "--device" => self.device = value()?,
-                "--save-model" => self.save_model = Some(value()?.into()),
-                "--samples" => self.samples = value()?.parse().context("--samples")?,
-                "--digits" => self.digits = Some(value()?.into()),
-                "--artifacts" => self.artifacts = value()?.into(),
-                "--report" => self.report = Some(value()?.into()),
-                "--plain" => self.plain = true,
-                "--quiet" => self.quiet = true,
-                "--checkpoint-dir" => self.checkpoint_dir = Some(value()?.into()),
-                "--checkpoint-every" => {
-                    self.checkpoint_every = value()?.parse().context("--checkpoint-every")?
-                }
-                "--no-desync-check" => self.no_desync_check = true,
-                other => bail!("unknown flag {other}"),
-            }
-        }
-        Ok(self)
-    }
-}
-
 /// What a run measured.
 #[derive(Debug, Clone)]
 pub struct Report {
@@ -534,7 +448,10 @@ pub fn run(group: Arc<ProcessGroup>, cfg: &Config) -> Result<Report> {
 /// Entry point of the binaries: forms the group from the environment, trains, and has rank 0
 /// print the summary.
 pub fn main_with(defaults: Config) -> Result<()> {
-    let cfg = defaults.parse_args(std::env::args().skip(1))?;
+    // Wrong flags and `--help` end here, as clap does (exit codes 2 and 0).
+    let cfg = defaults
+        .parse_command_line(std::env::args_os())
+        .unwrap_or_else(|e| e.exit());
     let group = Arc::new(burn_ddp::init_process_group().context("forming the process group")?);
     let report = run(group.clone(), &cfg)?;
     // Every rank's digest: equal digests show the replicas ended identical.
@@ -561,18 +478,5 @@ mod tests {
             (0..train.len()).map(|i| train.get(i).unwrap().y).collect();
         assert_eq!(classes.len(), 10);
         assert!(item.x.iter().all(|p| (0.0..=1.0).contains(p)));
-    }
-
-    #[test]
-    fn flags_override_defaults_and_unknown_ones_are_refused() {
-        let args = ["--epochs", "3", "--batch-size", "8", "--quiet"].map(String::from);
-        let cfg = Config::default().parse_args(args).unwrap();
-        assert_eq!((cfg.epochs, cfg.batch_size, cfg.quiet), (3, 8, true));
-        assert!(
-            Config::default()
-                .parse_args(["--bogus".to_string()])
-                .is_err()
-        );
-        assert!(Config::default().parse_args(["--lr".to_string()]).is_err());
     }
 }

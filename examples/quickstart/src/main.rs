@@ -5,7 +5,8 @@
 //! cargo xtask multi-cpu --nproc 2 --example quickstart -- --epochs 2
 //! ```
 //!
-//! Flags: `--epochs N` `--batch-size B` (per rank) `--lr X` `--seed S` `--device cpu|cuda`
+//! Flags (`quickstart --help` lists them with their defaults; `quickstart::Flags`):
+//! `--epochs N` `--batch-size B` (per rank) `--lr X` `--seed S` `--device cpu|cuda`
 //! `--save-model PATH` `--samples N` `--digits PATH` `--artifacts DIR` `--plain` (burn's own
 //! `Learner`, one process) `--quiet` (no progress) `--report PATH` (timing as `key=value`)
 //! `--checkpoint-dir DIR` (checkpoint every epoch, resume from DIR when a checkpoint is there)

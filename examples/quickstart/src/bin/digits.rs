@@ -5,7 +5,8 @@
 //! cargo xtask multi-cpu --nproc 2 --example digits
 //! ```
 //!
-//! Same flags as `quickstart`; defaults: 30 epochs, learning rate 0.1, batch 32 per rank.
+//! Same flags as `quickstart` (`digits --help`); defaults: 30 epochs, learning rate 0.1, batch
+//! 32 per rank.
 
 use quickstart::{Config, Digits};
 

@@ -1,0 +1,41 @@
+//! Forming the group the environment describes, with a program's own options underneath.
+//!
+//! Every in-tree program forms its group here, so that a program started by a launcher uses
+//! what the launcher set up (its store, its job secret) instead of re-creating it.
+
+use super::{GroupOptions, ProcessGroup};
+use crate::env::LaunchEnv;
+use crate::error::Result;
+
+/// Forms the process group described by the environment (see [`LaunchEnv`]); a world of one
+/// when no launcher variables are set.
+pub fn init_process_group() -> Result<ProcessGroup> {
+    ProcessGroup::from_env()
+}
+
+/// As [`init_process_group`], with `options` instead of the defaults. The environment still
+/// has the last word: `BURN_DDP_TIMEOUT` and `BURN_DDP_RENDEZVOUS_TIMEOUT`, when set, replace
+/// the timeouts of `options`.
+///
+/// ```no_run
+/// use std::time::Duration;
+/// use burn_ddp::{GroupOptions, init_process_group_with};
+/// let group = init_process_group_with(GroupOptions {
+///     chunk_bytes: 1 << 20,
+///     timeout: Duration::from_secs(120),
+///     ..GroupOptions::default()
+/// })?;
+/// # Ok::<(), burn_ddp::DdpError>(())
+/// ```
+pub fn init_process_group_with(options: GroupOptions) -> Result<ProcessGroup> {
+    ProcessGroup::from_env_with(options)
+}
+
+impl ProcessGroup {
+    /// Forms the group described by the process environment, with `options` under the
+    /// environment's settings (see [`init_process_group_with`]). For more control, start
+    /// from [`ProcessGroup::builder_from_env`].
+    pub fn from_env_with(options: GroupOptions) -> Result<Self> {
+        Self::builder_from_env(&LaunchEnv::from_env()?, options).build()
+    }
+}

@@ -1,0 +1,245 @@
+//! Options of a quickstart run and the binaries' command line: [`Config`] holds the defaults
+//! (each binary its own), [`Flags`] what the command line gives; each flag given replaces its
+//! default, and `--help` shows the binary's defaults.
+
+use std::ffi::OsString;
+use std::path::PathBuf;
+
+use clap::{CommandFactory, FromArgMatches, Parser};
+
+/// Options of a quickstart run (the binaries' flags).
+#[derive(Debug, Clone)]
+pub struct Config {
+    /// Epochs.
+    pub epochs: usize,
+    /// Batch size per rank.
+    pub batch_size: usize,
+    /// Learning rate.
+    pub lr: f64,
+    /// Seed of initialisation and shuffling.
+    pub seed: u64,
+    /// `cpu` or `cuda`.
+    pub device: String,
+    /// Where rank 0 writes the final parameters (safetensors).
+    pub save_model: Option<PathBuf>,
+    /// Training samples of the synthetic set.
+    pub samples: usize,
+    /// Train on the handwritten digits at this path instead of the synthetic set.
+    pub digits: Option<PathBuf>,
+    /// Directory of burn-train's logs and checkpoints.
+    pub artifacts: PathBuf,
+    /// Train with plain burn `Learner` instead of `DdpLearner` (world of one only; for
+    /// measuring DdpLearner's overhead).
+    pub plain: bool,
+    /// Render no progress (benchmarks).
+    pub quiet: bool,
+    /// Where rank 0 writes timing and accuracy as `key=value` (benchmarks).
+    pub report: Option<PathBuf>,
+    /// Directory of burn-ddp checkpoints (written every epoch; resumed from when present).
+    pub checkpoint_dir: Option<PathBuf>,
+    /// Also checkpoint every this many optimizer steps (with `--checkpoint-dir`).
+    pub checkpoint_every: usize,
+    /// Switch off the per-bucket desync check (only to measure its cost).
+    pub no_desync_check: bool,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Config {
+            epochs: 10,
+            batch_size: 32,
+            lr: 0.001,
+            seed: 42,
+            device: "cpu".into(),
+            save_model: None,
+            samples: 4096,
+            digits: None,
+            artifacts: std::env::temp_dir().join("burn-ddp-quickstart"),
+            plain: false,
+            quiet: false,
+            report: None,
+            checkpoint_dir: None,
+            checkpoint_every: 0,
+            no_desync_check: false,
+        }
+    }
+}
+
+/// The flags of the quickstart binaries. A flag not given leaves the binary's default (its
+/// [`Config`]) in place.
+#[derive(Debug, Default, Parser)]
+#[command(
+    name = "quickstart",
+    about = "Trains an MLP with DdpLearner: alone, or as one rank of many under a launcher \
+             (burn-ddp-run, cargo xtask multi-cpu, torchrun, srun, mpirun)"
+)]
+pub struct Flags {
+    /// Epochs
+    #[arg(long, value_name = "N")]
+    pub epochs: Option<usize>,
+    /// Batch size per rank
+    #[arg(long, value_name = "B")]
+    pub batch_size: Option<usize>,
+    /// Learning rate
+    #[arg(long, value_name = "X")]
+    pub lr: Option<f64>,
+    /// Seed of initialisation and shuffling
+    #[arg(long, value_name = "S")]
+    pub seed: Option<u64>,
+    /// Device: cpu, or cuda (a build with the `cuda` feature)
+    #[arg(long, value_name = "cpu|cuda")]
+    pub device: Option<String>,
+    /// Rank 0 writes the final parameters there (safetensors)
+    #[arg(long, value_name = "PATH")]
+    pub save_model: Option<PathBuf>,
+    /// Training samples of the synthetic set (validation: a quarter as many)
+    #[arg(long, value_name = "N")]
+    pub samples: Option<usize>,
+    /// Train on scikit-learn's digits.csv.gz at PATH instead of the synthetic set
+    #[arg(long, value_name = "PATH")]
+    pub digits: Option<PathBuf>,
+    /// Directory of burn-train's logs
+    #[arg(long, value_name = "DIR")]
+    pub artifacts: Option<PathBuf>,
+    /// Train with burn's own Learner (one process; to measure DdpLearner's overhead)
+    #[arg(long)]
+    pub plain: bool,
+    /// Render no progress
+    #[arg(long)]
+    pub quiet: bool,
+    /// Rank 0 writes timing and accuracy there as key=value (benchmarks)
+    #[arg(long, value_name = "PATH")]
+    pub report: Option<PathBuf>,
+    /// Checkpoint into DIR every epoch; a run started again with the same DIR resumes
+    #[arg(long, value_name = "DIR")]
+    pub checkpoint_dir: Option<PathBuf>,
+    /// With --checkpoint-dir: also checkpoint every N optimizer steps (0: epoch ends only)
+    #[arg(long, value_name = "N")]
+    pub checkpoint_every: Option<usize>,
+    /// Switch off the per-bucket desync check (to measure its cost)
+    #[arg(long)]
+    pub no_desync_check: bool,
+}
+
+impl Config {
+    /// The command line of a binary whose defaults are `self`: `--help` shows them.
+    pub fn command(&self) -> clap::Command {
+        let shown = |v: &dyn ToString| v.to_string();
+        let mut cmd = Flags::command()
+            .mut_arg("epochs", |a| a.default_value(shown(&self.epochs)))
+            .mut_arg("batch_size", |a| a.default_value(shown(&self.batch_size)))
+            .mut_arg("lr", |a| a.default_value(shown(&self.lr)))
+            .mut_arg("seed", |a| a.default_value(shown(&self.seed)))
+            .mut_arg("device", |a| a.default_value(self.device.clone()))
+            .mut_arg("samples", |a| a.default_value(shown(&self.samples)))
+            .mut_arg("checkpoint_every", |a| {
+                a.default_value(shown(&self.checkpoint_every))
+            })
+            .mut_arg("artifacts", |a| {
+                a.default_value(self.artifacts.clone().into_os_string())
+            });
+        if let Some(path) = &self.digits {
+            cmd = cmd.mut_arg("digits", |a| a.default_value(path.clone().into_os_string()));
+        }
+        cmd
+    }
+
+    /// Applies command-line flags (`args`: without the program name) on top of `self`.
+    pub fn parse_args<I, T>(self, args: I) -> Result<Self, clap::Error>
+    where
+        I: IntoIterator<Item = T>,
+        T: Into<OsString>,
+    {
+        let program = OsString::from("quickstart");
+        self.parse_command_line(std::iter::once(program).chain(args.into_iter().map(Into::into)))
+    }
+
+    /// Applies a whole command line (`argv[0]` first, which names the binary in messages).
+    pub fn parse_command_line<I, T>(self, argv: I) -> Result<Self, clap::Error>
+    where
+        I: IntoIterator<Item = T>,
+        T: Into<OsString> + Clone,
+    {
+        let matches = self.command().try_get_matches_from(argv)?;
+        Ok(self.with(Flags::from_arg_matches(&matches)?))
+    }
+
+    /// `self` with every flag that is set in `flags`.
+    pub fn with(mut self, flags: Flags) -> Self {
+        let Flags {
+            epochs,
+            batch_size,
+            lr,
+            seed,
+            device,
+            save_model,
+            samples,
+            digits,
+            artifacts,
+            plain,
+            quiet,
+            report,
+            checkpoint_dir,
+            checkpoint_every,
+            no_desync_check,
+        } = flags;
+        self.epochs = epochs.unwrap_or(self.epochs);
+        self.batch_size = batch_size.unwrap_or(self.batch_size);
+        self.lr = lr.unwrap_or(self.lr);
+        self.seed = seed.unwrap_or(self.seed);
+        self.device = device.unwrap_or(self.device);
+        self.save_model = save_model.or(self.save_model);
+        self.samples = samples.unwrap_or(self.samples);
+        self.digits = digits.or(self.digits);
+        self.artifacts = artifacts.unwrap_or(self.artifacts);
+        self.plain |= plain;
+        self.quiet |= quiet;
+        self.report = report.or(self.report);
+        self.checkpoint_dir = checkpoint_dir.or(self.checkpoint_dir);
+        self.checkpoint_every = checkpoint_every.unwrap_or(self.checkpoint_every);
+        self.no_desync_check |= no_desync_check;
+        self
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn flags_override_defaults_and_unknown_ones_are_refused() {
+        let args = ["--epochs", "3", "--batch-size", "8", "--quiet"];
+        let cfg = Config::default().parse_args(args).unwrap();
+        assert_eq!((cfg.epochs, cfg.batch_size, cfg.quiet), (3, 8, true));
+        assert_eq!(
+            cfg.lr,
+            Config::default().lr,
+            "a flag not given keeps its default"
+        );
+        let e = Config::default().parse_args(["--bogus"]).unwrap_err();
+        assert_eq!(e.kind(), clap::error::ErrorKind::UnknownArgument);
+        let e = Config::default().parse_args(["--lr"]).unwrap_err();
+        assert_eq!(e.kind(), clap::error::ErrorKind::InvalidValue);
+        let e = Config::default()
+            .parse_args(["--epochs", "two"])
+            .unwrap_err();
+        assert_eq!(e.kind(), clap::error::ErrorKind::ValueValidation);
+    }
+
+    #[test]
+    fn a_binary_keeps_its_own_defaults_and_shows_them() {
+        let digits = Config {
+            epochs: 30,
+            digits: Some(PathBuf::from("data/digits.csv.gz")),
+            ..Config::default()
+        };
+        let cfg = digits.clone().parse_args(["--lr", "0.5"]).unwrap();
+        assert_eq!((cfg.epochs, cfg.lr), (30, 0.5));
+        assert_eq!(cfg.digits, digits.digits);
+        let help = digits.command().render_long_help().to_string();
+        assert!(help.contains("[default: 30]"), "{help}");
+        assert!(help.contains("[default: data/digits.csv.gz]"), "{help}");
+        let e = digits.parse_args(["--epoch", "3"]).unwrap_err().to_string();
+        assert!(e.contains("a similar argument exists: '--epochs'"), "{e}");
+    }
+}

@@ -1,0 +1,191 @@
+//! `bench-collectives` and `bench-train`: benchmarks that print figures (they do not pass or
+//! fail). Both build in the release profile unless given `--debug` (the smoke test's way to run
+//! them quickly).
+
+use anyhow::{Context, Result};
+use burn_ddp::launch::{LaunchConfig, launch};
+use clap::Args;
+
+use crate::build::build_cpu_program;
+
+/// The all-reduce benchmark on N rank processes: time, algbw and busbw against memcpy.
+#[derive(Debug, Args)]
+pub struct BenchCollectives {
+    /// Rank processes
+    #[arg(long, value_name = "N", default_value_t = 2)]
+    world: usize,
+    /// Message sizes, comma-separated (K, M, G: binary multiples) [default: 4K to 256M]
+    #[arg(long, value_name = "SIZES")]
+    sizes: Option<String>,
+    /// Pipelining chunk of the transport [default: 512K]
+    #[arg(long, value_name = "BYTES")]
+    chunk: Option<String>,
+    /// How long a collective spins before sleeping, in microseconds [default: 20]
+    #[arg(long, value_name = "US")]
+    spin_us: Option<u64>,
+    /// Reduction operator [default: sum]
+    #[arg(long, value_parser = ["sum", "avg", "max"])]
+    op: Option<String>,
+    /// Build in the dev profile (quick to build, not for figures)
+    #[arg(long)]
+    debug: bool,
+}
+
+/// Runs `bench-collectives`.
+pub fn bench_collectives(task: BenchCollectives) -> Result<()> {
+    let exe = build_cpu_program("bench_collectives", !task.debug)?;
+    let mut forwarded = Vec::new();
+    let spin = task.spin_us.map(|us| us.to_string());
+    for (name, value) in [
+        ("--sizes", &task.sizes),
+        ("--chunk", &task.chunk),
+        ("--spin-us", &spin),
+        ("--op", &task.op),
+    ] {
+        if let Some(v) = value {
+            forwarded.extend([name.to_string(), v.clone()]);
+        }
+    }
+    launch(&LaunchConfig::new(exe, task.world).args(forwarded)).context("benchmark failed")
+}
+
+/// Quickstart step time of DdpLearner at world size 1 against burn's Learner, and samples/s at
+/// world size 2 against 1.
+#[derive(Debug, Args)]
+pub struct BenchTrain {
+    /// Epochs per run
+    #[arg(long, value_name = "N", default_value_t = 3)]
+    epochs: usize,
+    /// Runs of each kind (the median is reported)
+    #[arg(long, value_name = "N", default_value_t = 3)]
+    repeats: usize,
+    /// Batch size per rank
+    #[arg(long, value_name = "B", default_value_t = 32)]
+    batch_size: usize,
+    /// Training samples per epoch [default: the quickstart's]
+    #[arg(long, value_name = "N")]
+    samples: Option<usize>,
+    /// Build in the dev profile (quick to build, not for figures)
+    #[arg(long)]
+    debug: bool,
+}
+
+/// One quickstart run's figures, read from its `--report` file.
+struct Timing {
+    seconds: f64,
+    steps: f64,
+    samples: f64,
+}
+
+impl Timing {
+    fn per_step_ms(&self) -> f64 {
+        self.seconds * 1e3 / self.steps
+    }
+    fn samples_per_sec(&self) -> f64 {
+        self.samples / self.seconds
+    }
+}
+
+fn median(mut xs: Vec<f64>) -> f64 {
+    xs.sort_by(f64::total_cmp);
+    xs[xs.len() / 2]
+}
+
+/// Runs `bench-train`.
+pub fn bench_train(task: BenchTrain) -> Result<()> {
+    let (epochs, batch) = (task.epochs, task.batch_size);
+    let repeats = task.repeats.max(1);
+    let exe = build_cpu_program("quickstart", !task.debug)?;
+    let scratch = std::env::temp_dir().join(format!("burn-ddp-bench-train-{}", std::process::id()));
+    std::fs::create_dir_all(&scratch)?;
+    let run = |nproc: usize, plain: bool, extra: &[&str]| -> Result<Timing> {
+        let report = scratch.join("report.txt");
+        let mut args: Vec<String> = vec![
+            "--quiet".into(),
+            "--epochs".into(),
+            epochs.to_string(),
+            "--batch-size".into(),
+            batch.to_string(),
+            "--report".into(),
+            report.display().to_string(),
+            "--artifacts".into(),
+            scratch.join("artifacts").display().to_string(),
+        ];
+        if let Some(n) = task.samples {
+            args.extend(["--samples".into(), n.to_string()]);
+        }
+        if plain {
+            args.push("--plain".into());
+        }
+        args.extend(extra.iter().map(|s| s.to_string()));
+        launch(&LaunchConfig::new(exe.clone(), nproc).args(args)).context("quickstart run")?;
+        let text = std::fs::read_to_string(&report)?;
+        let field = |name: &str| -> Result<f64> {
+            text.split_whitespace()
+                .find_map(|kv| kv.strip_prefix(&format!("{name}=")))
+                .with_context(|| format!("{name} missing from the report"))?
+                .parse()
+                .with_context(|| format!("bad {name} in the report"))
+        };
+        Ok(Timing {
+            seconds: field("seconds")?,
+            steps: field("steps")?,
+            samples: field("samples")?,
+        })
+    };
+    let (mut plain, mut ddp1, mut ddp2, mut unchecked) = (vec![], vec![], vec![], vec![]);
+    for r in 0..repeats {
+        eprintln!("bench-train: round {} of {repeats}", r + 1);
+        plain.push(run(1, true, &[])?);
+        ddp1.push(run(1, false, &[])?);
+        ddp2.push(run(2, false, &[])?);
+        unchecked.push(run(2, false, &["--no-desync-check"])?);
+    }
+    let _ = std::fs::remove_dir_all(&scratch);
+    let step = |t: &[Timing]| median(t.iter().map(Timing::per_step_ms).collect());
+    let rate = |t: &[Timing]| median(t.iter().map(Timing::samples_per_sec).collect());
+    println!(
+        "bench-train: quickstart MLP, {epochs} epochs, batch {batch} per rank, median of {repeats}"
+    );
+    println!("{:<34} {:>12} {:>12}", "run", "ms/step", "samples/s");
+    println!(
+        "{:<34} {:>12.3} {:>12.0}",
+        "burn Learner, 1 process",
+        step(&plain),
+        rate(&plain)
+    );
+    println!(
+        "{:<34} {:>12.3} {:>12.0}",
+        "DdpLearner, world 1",
+        step(&ddp1),
+        rate(&ddp1)
+    );
+    println!(
+        "{:<34} {:>12.3} {:>12.0}",
+        "DdpLearner, world 2",
+        step(&ddp2),
+        rate(&ddp2)
+    );
+    println!(
+        "{:<34} {:>12.3} {:>12.0}",
+        "DdpLearner, world 2, no desync check",
+        step(&unchecked),
+        rate(&unchecked)
+    );
+    println!(
+        "cost of the desync check at world 2: {:+.1}% of step time (ratio {:.3})",
+        (step(&ddp2) / step(&unchecked) - 1.0) * 100.0,
+        step(&ddp2) / step(&unchecked)
+    );
+    println!(
+        "overhead of DdpLearner at world 1: {:+.1}% (ratio {:.3})",
+        (step(&ddp1) / step(&plain) - 1.0) * 100.0,
+        step(&ddp1) / step(&plain)
+    );
+    println!(
+        "scaling world 2 / world 1: {:.2}x samples/s ({:.0}% efficiency)",
+        rate(&ddp2) / rate(&ddp1),
+        rate(&ddp2) / rate(&ddp1) / 2.0 * 100.0
+    );
+    Ok(())
+}
