@@ -16,11 +16,17 @@ pub struct Built {
     pub path: PathBuf,
 }
 
+/// The cargo running this task (`CARGO`), else the one that built it, else `cargo` on the path.
+pub fn cargo() -> std::ffi::OsString {
+    std::env::var_os("CARGO")
+        .or_else(|| option_env!("CARGO").map(Into::into))
+        .unwrap_or_else(|| "cargo".into())
+}
+
 /// Runs `cargo build` with `selection` (cargo's package, target and feature flags) and returns
 /// the executables cargo reports.
 pub fn build_all(selection: &[&str], release: bool) -> Result<Vec<Built>> {
-    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
-    let mut cmd = Command::new(cargo);
+    let mut cmd = Command::new(cargo());
     cmd.args(["build", "--message-format=json-render-diagnostics"]);
     cmd.args(selection);
     if release {

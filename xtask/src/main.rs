@@ -66,8 +66,7 @@ struct Soak {
 
 /// Runs the ignored long soak test of burn-ddp's integration tests.
 fn soak(task: Soak) -> Result<()> {
-    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
-    let status = Command::new(cargo)
+    let status = Command::new(build::cargo())
         .args(["test", "-p", "burn-ddp", "--test", "integration", "--"])
         .args(["--ignored", "--exact", "soak::soak_long", "--nocapture"])
         .env("BDDP_SOAK_ITERS", task.iters.to_string())

@@ -1,0 +1,370 @@
+//! Smoke test of every program in the workspace: each binary and example answers `--help` with
+//! its flags and suggests the right flag for a misspelled one; each one that forms a group runs
+//! to the end under the launcher (`burn-ddp-run`, that is `burn_ddp::launch`) with tiny sizes;
+//! each xtask task that starts ranks runs (`multi-cpu`, `bench-collectives --debug`,
+//! `bench-train --debug`). `soak` is left out: it runs `cargo test` itself, which builds the
+//! integration tests of burn-ddp a second time and runs for minutes.
+//!
+//! The programs are built once per run, in the dev profile, by the `cargo build` the xtask
+//! tasks run themselves (`--workspace --bins --examples`: the selection and features of
+//! `cargo test --workspace`, so after that command nothing new is compiled but the binaries
+//! cargo test does not link). A separate test binary, so that cargo runs it after, not beside,
+//! the timing-sensitive integration tests of burn-ddp.
+
+use std::collections::HashMap;
+use std::io::Read;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::sync::OnceLock;
+use std::time::{Duration, Instant};
+
+#[allow(dead_code)]
+#[path = "../src/build.rs"]
+mod build;
+
+/// The longest any one program may take (a loaded 2-core machine, debug build of burn).
+const LIMIT: Duration = Duration::from_secs(600);
+
+fn workspace() -> &'static Path {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .expect("xtask lies in the workspace")
+}
+
+/// Every binary and example of the workspace, by name, built once.
+fn programs() -> &'static HashMap<String, PathBuf> {
+    static BUILT: OnceLock<HashMap<String, PathBuf>> = OnceLock::new();
+    BUILT.get_or_init(|| {
+        let built = build::build_all(&build::WORKSPACE_PROGRAMS, false)
+            .unwrap_or_else(|e| panic!("building the workspace's programs: {e:#}"));
+        built.into_iter().map(|b| (b.name, b.path)).collect()
+    })
+}
+
+fn program(name: &str) -> Command {
+    let path = programs()
+        .get(name)
+        .unwrap_or_else(|| panic!("cargo built no program {name}"));
+    let mut cmd = Command::new(path);
+    cmd.current_dir(workspace());
+    cmd
+}
+
+fn xtask(args: &[&str]) -> Command {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_xtask"));
+    cmd.args(args)
+        .current_dir(workspace())
+        .env("CARGO", build::cargo());
+    cmd
+}
+
+/// What a finished program wrote, and how it ended.
+struct Ran {
+    code: Option<i32>,
+    stdout: String,
+    stderr: String,
+}
+
+impl Ran {
+    fn describe(&self) -> String {
+        format!(
+            "exit {:?}\n--- stdout\n{}\n--- stderr\n{}",
+            self.code, self.stdout, self.stderr
+        )
+    }
+
+    /// Exits 0 and prints every one of `wanted` on stdout.
+    fn succeeds_printing(&self, wanted: &[&str]) {
+        assert_eq!(self.code, Some(0), "{}", self.describe());
+        for w in wanted {
+            assert!(
+                self.stdout.contains(w),
+                "{w:?} missing: {}",
+                self.describe()
+            );
+        }
+    }
+
+    /// Exits 2 (clap's usage error) with `tip` on stderr.
+    fn refuses_with(&self, tip: &str) {
+        assert_eq!(self.code, Some(2), "{}", self.describe());
+        assert!(
+            self.stderr.contains(tip),
+            "{tip:?} missing: {}",
+            self.describe()
+        );
+    }
+
+    /// The hex digests of every "parameters digest" line: one per rank.
+    fn digests(&self) -> Vec<&str> {
+        self.stdout
+            .lines()
+            .filter_map(|l| l.split("parameters digest ").nth(1))
+            .map(str::trim)
+            .collect()
+    }
+}
+
+/// Runs `cmd` to its end, killed (and the test failed) after [`LIMIT`].
+fn run(mut cmd: Command) -> Ran {
+    let what = format!("{cmd:?}");
+    let mut child = cmd
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap_or_else(|e| panic!("starting {what}: {e}"));
+    let drain = |mut from: Box<dyn Read + Send>| {
+        std::thread::spawn(move || {
+            let mut text = String::new();
+            let _ = from.read_to_string(&mut text);
+            text
+        })
+    };
+    let out = drain(Box::new(child.stdout.take().expect("piped")));
+    let err = drain(Box::new(child.stderr.take().expect("piped")));
+    let start = Instant::now();
+    let deadline = start + LIMIT;
+    let status = loop {
+        if let Some(status) = child.try_wait().expect("waiting for a child") {
+            break Some(status);
+        }
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            let _ = child.wait();
+            break None;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    let ran = Ran {
+        code: status.and_then(|s| s.code()),
+        stdout: out.join().unwrap_or_default(),
+        stderr: err.join().unwrap_or_default(),
+    };
+    assert!(
+        status.is_some(),
+        "{what} ran past {LIMIT:?}: {}",
+        ran.describe()
+    );
+    eprintln!("{:>7.1?} {what}", start.elapsed());
+    ran
+}
+
+/// A scratch directory for one program's files.
+fn scratch(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("burn-ddp-smoke-{}-{name}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).expect("creating a scratch directory");
+    dir
+}
+
+/// Tiny quickstart flags, with burn-train's files in a directory of their own.
+fn tiny_training(name: &str) -> Vec<String> {
+    let artifacts = scratch(name).display().to_string();
+    ["--epochs", "1", "--samples", "64", "--batch-size", "16"]
+        .into_iter()
+        .map(String::from)
+        .chain(["--quiet".into(), "--artifacts".into(), artifacts])
+        .collect()
+}
+
+#[test]
+fn every_program_lists_its_flags_and_suggests_the_right_one() {
+    let launcher_flags = [
+        "--nproc-per-node",
+        "--nproc",
+        "--nnodes",
+        "--node-rank",
+        "--master-addr",
+        "--master-port",
+        "--max-restarts",
+        "--log-dir",
+        "--tee",
+        "--local-ranks-filter",
+    ];
+    let quickstart_flags = [
+        "--epochs",
+        "--batch-size",
+        "--lr",
+        "--seed",
+        "--device",
+        "--save-model",
+        "--samples",
+        "--digits",
+        "--artifacts",
+        "--plain",
+        "--quiet",
+        "--report",
+        "--checkpoint-dir",
+        "--checkpoint-every",
+        "--no-desync-check",
+    ];
+    let help = |mut cmd: Command| {
+        cmd.arg("--help");
+        run(cmd)
+    };
+    help(program("burn-ddp-run")).succeeds_printing(&launcher_flags);
+    help(program("quickstart")).succeeds_printing(&quickstart_flags);
+    help(program("digits"))
+        .succeeds_printing(&[&quickstart_flags[..], &["[default: 30]"]].concat());
+    help(program("hello_ddp")).succeeds_printing(&["Usage: hello_ddp"]);
+    help(program("bench_collectives")).succeeds_printing(&[
+        "--sizes",
+        "--chunk",
+        "--spin-us",
+        "--op",
+    ]);
+    help(program("bench_reducer")).succeeds_printing(&["STEPS_PER_BLOCK", "BLOCKS"]);
+    let tasks = [
+        "multi-cpu",
+        "multi-gpu",
+        "bench-collectives",
+        "bench-train",
+        "gpu-bundle",
+        "soak",
+    ];
+    run(xtask(&["--help"])).succeeds_printing(&tasks);
+    for task in ["multi-cpu", "multi-gpu"] {
+        let mut flags = launcher_flags.to_vec();
+        flags.extend(["--example", "--release", "-- <ARGS>"]);
+        run(xtask(&[task, "--help"])).succeeds_printing(&flags);
+    }
+    let bench = [
+        "--world",
+        "--sizes",
+        "--chunk",
+        "--spin-us",
+        "--op",
+        "--debug",
+    ];
+    run(xtask(&["bench-collectives", "--help"])).succeeds_printing(&bench);
+    let train = [
+        "--epochs",
+        "--repeats",
+        "--batch-size",
+        "--samples",
+        "--debug",
+    ];
+    run(xtask(&["bench-train", "--help"])).succeeds_printing(&train);
+    run(xtask(&["gpu-bundle", "--help"])).succeeds_printing(&["--out"]);
+    run(xtask(&["soak", "--help"])).succeeds_printing(&["--iters"]);
+
+    let tip = |flag: &str| format!("tip: a similar argument exists: '{flag}'");
+    let mut cmd = program("quickstart");
+    cmd.args(["--epoch", "2"]);
+    run(cmd).refuses_with(&tip("--epochs"));
+    let mut cmd = program("digits");
+    cmd.args(["--batchsize", "2"]);
+    run(cmd).refuses_with(&tip("--batch-size"));
+    let mut cmd = program("burn-ddp-run");
+    cmd.args(["--nprc", "2", "./train"]);
+    run(cmd).refuses_with(&tip("--nproc"));
+    let mut cmd = program("bench_collectives");
+    cmd.args(["--size", "4K"]);
+    run(cmd).refuses_with(&tip("--sizes"));
+    let mut cmd = program("hello_ddp");
+    cmd.arg("--bogus");
+    run(cmd).refuses_with("unexpected argument '--bogus'");
+    let mut cmd = program("bench_reducer");
+    cmd.arg("many");
+    run(cmd).refuses_with("invalid value 'many'");
+    run(xtask(&["multi-cpu", "--nprc", "2"])).refuses_with(&tip("--nproc"));
+    run(xtask(&["bench-train", "--epoch", "1"])).refuses_with(&tip("--epochs"));
+    run(xtask(&["multi-cpux"])).refuses_with("similar subcommands exist: 'multi-gpu', 'multi-cpu'");
+}
+
+/// `burn-ddp-run --nproc 2 PROGRAM ARGS`.
+fn launched(name: &str, args: &[String]) -> Command {
+    let mut cmd = program("burn-ddp-run");
+    cmd.args(["--nproc", "2"]).arg(&programs()[name]).args(args);
+    cmd
+}
+
+#[test]
+fn every_example_runs_under_the_launcher() {
+    let ran = run(launched("hello_ddp", &[]));
+    ran.succeeds_printing(&["rank 0 of 2: sum of ranks 1 over 2 ranks", "rank 1 of 2"]);
+
+    let ran = run(launched("quickstart", &tiny_training("quickstart")));
+    ran.succeeds_printing(&["2 rank(s), 1 epochs, batch 16 per rank: validation accuracy"]);
+    let digests = ran.digests();
+    assert_eq!(digests.len(), 2, "{}", ran.describe());
+    assert_eq!(
+        digests[0],
+        digests[1],
+        "the ranks ended different: {}",
+        ran.describe()
+    );
+
+    let artifacts = scratch("digits").display().to_string();
+    let args = ["--epochs", "1", "--quiet", "--artifacts", &artifacts].map(String::from);
+    let ran = run(launched("digits", &args));
+    ran.succeeds_printing(&["2 rank(s), 1 epochs, batch 32 per rank: validation accuracy"]);
+    assert_eq!(ran.digests().len(), 2, "{}", ran.describe());
+
+    let args = ["--sizes", "4K,64K"].map(String::from);
+    let ran = run(launched("bench_collectives", &args));
+    ran.succeeds_printing(&["world 2", "busbw(GB/s)", "4 KiB", "64 KiB"]);
+
+    // Two ranks as threads of one process: it starts no ranks, so it runs alone.
+    let mut cmd = program("bench_reducer");
+    cmd.args(["2", "1"]);
+    run(cmd).succeeds_printing(&["cost of the check"]);
+}
+
+#[test]
+fn xtask_tasks_that_start_ranks_run() {
+    let ran = run(xtask(&[
+        "multi-cpu",
+        "--nproc",
+        "2",
+        "--example",
+        "hello_ddp",
+    ]));
+    ran.succeeds_printing(&["rank 1 of 2: sum of ranks 1 over 2 ranks"]);
+
+    let mut args = vec!["multi-cpu", "--nproc", "2", "--example", "quickstart", "--"];
+    let training = tiny_training("xtask-quickstart");
+    args.extend(training.iter().map(String::as_str));
+    let ran = run(xtask(&args));
+    ran.succeeds_printing(&["validation accuracy"]);
+    assert_eq!(ran.digests().len(), 2, "{}", ran.describe());
+
+    let args = [
+        "bench-collectives",
+        "--debug",
+        "--world",
+        "2",
+        "--sizes",
+        "4K,1M",
+    ];
+    run(xtask(&args)).succeeds_printing(&["busbw(GB/s)", "4 KiB", "1 MiB"]);
+
+    let args = [
+        "bench-train",
+        "--debug",
+        "--epochs",
+        "1",
+        "--repeats",
+        "1",
+        "--samples",
+        "64",
+    ];
+    run(xtask(&args)).succeeds_printing(&["ms/step", "DdpLearner, world 2", "scaling world 2"]);
+
+    // Without GPUs multi-gpu stops before building anything, and says what to use instead.
+    let mut cmd = xtask(&["multi-gpu", "--example", "hello_ddp"]);
+    cmd.env("CUDA_VISIBLE_DEVICES", "");
+    let ran = run(cmd);
+    assert_eq!(ran.code, Some(1), "{}", ran.describe());
+    assert!(
+        ran.stderr.contains("0 GPU(s) visible"),
+        "{}",
+        ran.describe()
+    );
+    assert!(
+        ran.stderr.contains("cargo xtask multi-cpu"),
+        "{}",
+        ran.describe()
+    );
+}
