@@ -25,6 +25,8 @@
 //! # Ok::<(), burn_ddp::DdpError>(())
 //! ```
 
+#![warn(missing_docs)]
+
 #[cfg(feature = "cli")]
 pub mod cli;
 pub mod collectives;

@@ -2,6 +2,8 @@
 //! deterministic dataset (`MyDataset`), an MLP (`MyModel`), cross-entropy, SGD. The binary is a
 //! thin wrapper around [`run`].
 
+#![warn(missing_docs)]
+
 use std::path::PathBuf;
 use std::sync::Arc;
 
