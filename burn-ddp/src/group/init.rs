@@ -39,3 +39,47 @@ impl ProcessGroup {
         Self::builder_from_env(&LaunchEnv::from_env()?, options).build()
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::*;
+
+    fn env(vars: &[(&str, &str)]) -> LaunchEnv {
+        LaunchEnv::from_lookup(|k| {
+            vars.iter()
+                .find(|(n, _)| *n == k)
+                .map(|(_, v)| v.to_string())
+        })
+        .expect("valid variables")
+    }
+
+    #[test]
+    fn options_lie_under_the_environment() {
+        let options = GroupOptions {
+            chunk_bytes: 64 << 10,
+            timeout: Duration::from_secs(120),
+            rendezvous_timeout: Duration::from_secs(60),
+            ..GroupOptions::default()
+        };
+        let launched = env(&[("BURN_DDP_TIMEOUT", "7")]);
+        let group = ProcessGroup::builder_from_env(&launched, options.clone())
+            .build()
+            .unwrap();
+        let got = group.options();
+        assert_eq!(got.chunk_bytes, 64 << 10, "the program's option stays");
+        assert_eq!(got.timeout, Duration::from_secs(7), "BURN_DDP_TIMEOUT wins");
+        assert_eq!(
+            got.rendezvous_timeout,
+            Duration::from_secs(60),
+            "not set: kept"
+        );
+        assert_eq!((group.rank(), group.world_size()), (0, 1));
+
+        let plain = ProcessGroup::builder_from_env(&env(&[]), options)
+            .build()
+            .unwrap();
+        assert_eq!(plain.options().timeout, Duration::from_secs(120));
+    }
+}
