@@ -1,11 +1,13 @@
 //! GPU figure for the bundle: throughput of pack (`cat` of 64 gradient tensors) + NCCL
 //! all-reduce (world size 1) + unpack (`narrow`) of a 256 MiB bucket, against a
 //! device-to-device copy of the same bytes, as a ratio. Prints "no GPU" and exits 0 without one.
+//! It takes no flags (`--help` says so).
 
 use std::time::{Duration, Instant};
 
 use burn::tensor::{Device, Tensor};
 use burn_ddp_nccl::{NcclComm, Reduction, check_libraries, unique_id};
+use clap::Parser;
 
 const PARTS: usize = 64;
 const BYTES: usize = 256 << 20;
@@ -27,7 +29,13 @@ fn time(device: &Device, mut f: impl FnMut()) -> Duration {
     median(runs)
 }
 
+/// Throughput of pack + NCCL all-reduce + unpack of a 256 MiB bucket against a device copy.
+#[derive(Debug, Parser)]
+#[command(name = "bucket_bench")]
+struct Cli {}
+
 fn main() {
+    Cli::parse();
     if let Err(e) = check_libraries() {
         println!("no GPU: {e}");
         return;
