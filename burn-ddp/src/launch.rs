@@ -12,6 +12,15 @@
 //! the ranks' status reports outlive any rank, including rank 0. It generates a job secret
 //! (`BURN_DDP_SECRET`) that the store and the data plane require from every connection.
 
+/// Writes a launcher message to stderr, ignoring a closed stderr (a pipe whose reader is
+/// gone must not make the launcher panic while it still has ranks to stop).
+macro_rules! say {
+    ($($arg:tt)*) => {{
+        use std::io::Write as _;
+        let _ = writeln!(std::io::stderr(), $($arg)*);
+    }};
+}
+
 mod forward;
 pub mod output;
 
@@ -180,7 +189,7 @@ pub fn launch(cfg: &LaunchConfig) -> Result<()> {
                     "rank {rank} failed ({status}); restarting every rank (restart {attempt} of {})",
                     cfg.max_restarts
                 );
-                eprintln!(
+                say!(
                     "[burn-ddp] rank {rank} failed ({status}); restarting every rank (restart \
                      {attempt} of {})",
                     cfg.max_restarts
@@ -309,7 +318,7 @@ fn run_attempt(
                     && wait.is_zero()
                     && !killed
                 {
-                    eprintln!(
+                    say!(
                         "[burn-ddp] the ranks did not stop within {:?} of {}: killing them",
                         cfg.stop_grace,
                         crate::signals::signal_name(signal)

@@ -14,6 +14,7 @@
 //! - no agreement within the collective timeout after the first signal (a rank stuck in a step);
 //! - any of these signals while no training loop is armed (the default action: exit).
 
+use std::io::Write;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
@@ -158,7 +159,8 @@ pub(crate) fn exit_now(who: &str, signal: i32, why: &str) -> ! {
         exit_code(signal)
     );
     log::error!("{message}");
-    eprintln!("{message}");
+    // Never a panic on a closed stderr (its reader may be gone already).
+    let _ = writeln!(std::io::stderr(), "{message}");
     std::process::exit(exit_code(signal));
 }
 

@@ -59,7 +59,7 @@ impl State {
         let name = signal_name(signal);
         match self.repeats.arrive(signal) {
             Arrival::First => {
-                eprintln!(
+                say!(
                     "[burn-ddp] {name}: forwarded to the ranks; they stop at the next step \
                      boundary (checkpoint if configured); a second signal kills them"
                 );
@@ -69,7 +69,7 @@ impl State {
             }
             Arrival::Repeat => {}
             Arrival::Second => {
-                eprintln!("[burn-ddp] {name} again: killing the ranks");
+                say!("[burn-ddp] {name} again: killing the ranks");
                 for pid in self.pids() {
                     super::kill_pid(pid, None);
                 }

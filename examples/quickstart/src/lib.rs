@@ -552,7 +552,11 @@ pub fn exit(result: Result<()>) -> std::process::ExitCode {
                 .chain()
                 .find_map(|c| c.downcast_ref::<burn_ddp::DdpError>())
                 .map_or(1, burn_ddp::DdpError::exit_code);
-            eprintln!("Error: {e:#}");
+            if code == 1 {
+                eprintln!("Error: {e:#}");
+            } else {
+                eprintln!("{e:#}");
+            }
             std::process::ExitCode::from(u8::try_from(code).unwrap_or(1))
         }
     }
