@@ -141,6 +141,38 @@ pub enum DdpError {
         /// Its exit status in words.
         status: String,
     },
+    /// Training stopped on every rank because a rank received a stop signal (preemption,
+    /// Ctrl-C): not a failure; exit with [`DdpError::exit_code`] (128 + the signal's number).
+    #[error(
+        "rank {rank}: stopped by {} at epoch {epoch}, step {step}{}",
+        crate::signals::signal_name(*signal),
+        match checkpoint {
+            Some(p) => format!("; checkpoint written to {}: run the job again to resume", p.display()),
+            None => "; no checkpoint configured".to_string(),
+        }
+    )]
+    Stopped {
+        /// Rank reporting.
+        rank: usize,
+        /// The signal (the highest number, if ranks received different ones).
+        signal: i32,
+        /// Epoch the ranks stopped in.
+        epoch: usize,
+        /// Batches of that epoch done.
+        step: usize,
+        /// The checkpoint written at that point, if checkpoints are configured.
+        checkpoint: Option<std::path::PathBuf>,
+    },
+    /// The launcher's ranks stopped after the launcher received a stop signal.
+    #[error("stopped by {}: the ranks exited with {status}", crate::signals::signal_name(*signal))]
+    LaunchStopped {
+        /// The signal the launcher received and forwarded.
+        signal: i32,
+        /// How the ranks ended, in words.
+        status: String,
+        /// The exit code for the launcher (the ranks' own, or 128 + the signal).
+        code: i32,
+    },
     /// Any other I/O failure, with what was being done.
     #[error("{context}: {source}")]
     Io {
@@ -153,6 +185,16 @@ pub enum DdpError {
 }
 
 impl DdpError {
+    /// The exit code a program should end with for this error: 128 + the signal's number for
+    /// a stop by signal ([`DdpError::Stopped`], [`DdpError::LaunchStopped`]), 1 otherwise.
+    pub fn exit_code(&self) -> i32 {
+        match self {
+            DdpError::Stopped { signal, .. } => crate::signals::exit_code(*signal),
+            DdpError::LaunchStopped { code, .. } => *code,
+            _ => 1,
+        }
+    }
+
     /// Wraps an I/O error with what was being done.
     pub(crate) fn io(context: impl Into<String>, source: io::Error) -> Self {
         DdpError::Io {

@@ -3,18 +3,36 @@
 //! `MASTER_PORT`), prefixes each output line with its rank, and when one rank fails stops the
 //! others and reports the rank that failed first and what it last reported doing.
 //!
+//! Output: see [`output`](self::output) (rank 0 gets a terminal, `--log-dir`, `--tee`,
+//! `--local-ranks-filter`). Stop signals sent to the launcher are forwarded to the ranks, which
+//! stop together at a step boundary (see [`crate::signals`]); the launcher then exits with their
+//! exit code.
+//!
 //! The launcher of node 0 serves the store itself (as torchrun's agent store), so the store and
 //! the ranks' status reports outlive any rank, including rank 0. It generates a job secret
 //! (`BURN_DDP_SECRET`) that the store and the data plane require from every connection.
 
+/// Writes a launcher message to stderr, ignoring a closed stderr (a pipe whose reader is
+/// gone must not make the launcher panic while it still has ranks to stop).
+macro_rules! say {
+    ($($arg:tt)*) => {{
+        use std::io::Write as _;
+        let _ = writeln!(std::io::stderr(), $($arg)*);
+    }};
+}
+
+mod forward;
+pub mod output;
+
 use std::ffi::OsString;
-use std::io::{BufRead, BufReader, Read, Write};
 use std::net::TcpListener;
 use std::path::PathBuf;
-use std::process::{Child, Command, ExitStatus, Stdio};
-use std::sync::mpsc;
-use std::thread::JoinHandle;
+use std::process::{Child, Command, ExitStatus};
+use std::sync::mpsc::{self, RecvTimeoutError};
 use std::time::{Duration, Instant};
+
+use forward::Forwarder;
+use output::OutputPlan;
 
 use crate::env::AGENT_STORE_VAR;
 use crate::error::{DdpError, Result};
@@ -56,6 +74,9 @@ pub struct LaunchConfig {
     /// Show the output of these local ranks only (torchrun's `--local-ranks-filter`); `None`:
     /// every rank. Log files are written for every rank either way.
     pub local_ranks_filter: Option<Vec<usize>>,
+    /// How long the ranks may take to stop after a stop signal reached the launcher before
+    /// they are killed (default 120 s: a step, a checkpoint and the collectives' way out).
+    pub stop_grace: Duration,
 }
 
 impl LaunchConfig {
@@ -75,6 +96,7 @@ impl LaunchConfig {
             log_dir: None,
             tee: false,
             local_ranks_filter: None,
+            stop_grace: Duration::from_secs(120),
         }
     }
 
@@ -118,26 +140,6 @@ fn describe(status: ExitStatus) -> String {
     }
 }
 
-fn pump(mut from: impl Read + Send + 'static, rank: usize, stderr: bool) -> JoinHandle<()> {
-    std::thread::spawn(move || {
-        let mut reader = BufReader::new(&mut from);
-        let mut line = Vec::new();
-        while matches!(reader.read_until(b'\n', &mut line), Ok(n) if n > 0) {
-            if !line.ends_with(b"\n") {
-                line.push(b'\n');
-            }
-            let mut out: Box<dyn Write> = if stderr {
-                Box::new(std::io::stderr().lock())
-            } else {
-                Box::new(std::io::stdout().lock())
-            };
-            let _ = out.write_all(format!("[rank {rank}] ").as_bytes());
-            let _ = out.write_all(&line);
-            line.clear();
-        }
-    })
-}
-
 /// Runs the ranks of this node to completion. `Ok` when all exit with 0; otherwise the others
 /// are killed and the error names the rank that failed first and how. With
 /// [`LaunchConfig::max_restarts`], a failed job is started again (all ranks) that many times.
@@ -175,16 +177,19 @@ pub fn launch(cfg: &LaunchConfig) -> Result<()> {
                 .into(),
         ));
     }
+    let forwarder = Forwarder::start()?;
     let mut attempt = 0;
     loop {
-        match run_attempt(cfg, &secret, attempt) {
-            Err(DdpError::RankFailed { rank, status }) if attempt < cfg.max_restarts => {
+        match run_attempt(cfg, &secret, attempt, &forwarder) {
+            Err(DdpError::RankFailed { rank, status })
+                if attempt < cfg.max_restarts && forwarder.received().is_none() =>
+            {
                 attempt += 1;
                 log::warn!(
                     "rank {rank} failed ({status}); restarting every rank (restart {attempt} of {})",
                     cfg.max_restarts
                 );
-                eprintln!(
+                say!(
                     "[burn-ddp] rank {rank} failed ({status}); restarting every rank (restart \
                      {attempt} of {})",
                     cfg.max_restarts
@@ -204,7 +209,13 @@ const CULPRIT_GRACE: Duration = Duration::from_secs(2);
 pub const RESTART_COUNT_VAR: &str = "BURN_DDP_RESTART_COUNT";
 
 /// One start of every rank of this node, to completion or to the first failure.
-fn run_attempt(cfg: &LaunchConfig, secret: &JobSecret, attempt: usize) -> Result<()> {
+fn run_attempt(
+    cfg: &LaunchConfig,
+    secret: &JobSecret,
+    attempt: usize,
+    forwarder: &Forwarder,
+) -> Result<()> {
+    let output = OutputPlan::new(cfg)?;
     // Node 0 serves the store, bound to the master address only.
     let server = if cfg.node_rank == 0 {
         let addr = (cfg.master_addr.as_str(), cfg.master_port.unwrap_or(0));
@@ -239,10 +250,14 @@ fn run_attempt(cfg: &LaunchConfig, secret: &JobSecret, attempt: usize) -> Result
             .env("MASTER_PORT", port.to_string())
             .env(SECRET_VAR, secret.to_env_value())
             .env(AGENT_STORE_VAR, "1")
-            .env(RESTART_COUNT_VAR, attempt.to_string())
-            .stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped());
+            .env(RESTART_COUNT_VAR, attempt.to_string());
+        let pipes = match output.attach(&mut cmd, rank, local, attempt) {
+            Ok(p) => p,
+            Err(e) => {
+                kill_all(&mut children);
+                return Err(e);
+            }
+        };
         let mut child = match cmd.spawn() {
             Ok(c) => c,
             Err(e) => {
@@ -253,11 +268,13 @@ fn run_attempt(cfg: &LaunchConfig, secret: &JobSecret, attempt: usize) -> Result
                 ));
             }
         };
-        if let Some(out) = child.stdout.take() {
-            pumps.push(pump(out, rank, false));
-        }
-        if let Some(err) = child.stderr.take() {
-            pumps.push(pump(err, rank, true));
+        if let Some(pipes) = &pipes {
+            if let Some(out) = child.stdout.take() {
+                pumps.push(pipes.pump(out, false));
+            }
+            if let Some(err) = child.stderr.take() {
+                pumps.push(pipes.pump(err, true));
+            }
         }
         children.push(child);
     }
@@ -270,6 +287,7 @@ fn run_attempt(cfg: &LaunchConfig, secret: &JobSecret, attempt: usize) -> Result
     // One waiter per rank, so exits are seen in the order they happen.
     let first = cfg.node_rank * cfg.nproc_per_node;
     let pids: Vec<u32> = children.iter().map(Child::id).collect();
+    forwarder.set_ranks(&pids);
     let (tx, rx) = mpsc::channel();
     for (i, mut child) in children.into_iter().enumerate() {
         let tx = tx.clone();
@@ -282,11 +300,38 @@ fn run_attempt(cfg: &LaunchConfig, secret: &JobSecret, attempt: usize) -> Result
     let mut exits = Exits {
         running: vec![true; n],
         failures: vec![None; n],
+        statuses: vec![None; n],
     };
     let mut result = Ok(());
-    while let Ok(exit) = rx.recv() {
+    let mut killed = false;
+    loop {
+        // After a stop signal, the ranks have `stop_grace` to end; then they are killed.
+        let wait = match forwarder.received() {
+            Some((_, at)) => (at + cfg.stop_grace).saturating_duration_since(Instant::now()),
+            None => Duration::from_millis(200),
+        };
+        let exit = match rx.recv_timeout(wait) {
+            Ok(exit) => exit,
+            Err(RecvTimeoutError::Disconnected) => break,
+            Err(RecvTimeoutError::Timeout) => {
+                if let Some((signal, _)) = forwarder.received()
+                    && wait.is_zero()
+                    && !killed
+                {
+                    say!(
+                        "[burn-ddp] the ranks did not stop within {:?} of {}: killing them",
+                        cfg.stop_grace,
+                        crate::signals::signal_name(signal)
+                    );
+                    forwarder.kill_all();
+                    killed = true;
+                }
+                continue;
+            }
+        };
         let i = exit.0;
-        if !exits.record(exit) || result.is_err() {
+        // While the ranks stop for a signal, their exits are expected: no rank is blamed.
+        if !exits.record(exit) || result.is_err() || forwarder.received().is_some() {
             continue;
         }
         // This rank may have failed because of another: the ranks' failure record names the
@@ -327,13 +372,17 @@ fn run_attempt(cfg: &LaunchConfig, secret: &JobSecret, attempt: usize) -> Result
             status: failure,
         });
         for (pid, _) in pids.iter().zip(&exits.running).filter(|(_, r)| **r) {
-            kill_pid(*pid);
+            kill_pid(*pid, None);
         }
     }
     for p in pumps {
         let _ = p.join();
     }
-    result
+    forwarder.set_ranks(&[]);
+    match forwarder.received() {
+        Some((signal, _)) => exits.stopped(signal, first),
+        None => result,
+    }
 }
 
 /// The ranks' exits as the waiter threads report them.
@@ -341,12 +390,15 @@ struct Exits {
     running: Vec<bool>,
     /// How each rank that failed ended, in words.
     failures: Vec<Option<String>>,
+    /// How each rank ended.
+    statuses: Vec<Option<ExitStatus>>,
 }
 
 impl Exits {
     /// Notes rank `i`'s exit; true if it failed.
     fn record(&mut self, (i, status): (usize, std::io::Result<ExitStatus>)) -> bool {
         self.running[i] = false;
+        self.statuses[i] = status.as_ref().ok().copied();
         self.failures[i] = match status {
             Ok(s) if s.success() => None,
             Ok(s) => Some(describe(s)),
@@ -356,11 +408,50 @@ impl Exits {
     }
 }
 
-/// Sends SIGKILL to a rank that is still running.
-fn kill_pid(pid: u32) {
+impl Exits {
+    /// The outcome of a start that a stop signal ended: `Ok` if every rank exited with 0 (they
+    /// finished anyway), else the ranks' exit code (the first rank's that has one; 128 + the
+    /// signal for ranks killed by a signal).
+    fn stopped(&self, signal: i32, first: usize) -> Result<()> {
+        if self.statuses.iter().all(|s| s.is_some_and(|s| s.success())) {
+            return Ok(());
+        }
+        let code = self
+            .statuses
+            .iter()
+            .flatten()
+            .find_map(|s| s.code().filter(|c| *c != 0))
+            .unwrap_or(crate::signals::exit_code(signal));
+        let status = self
+            .statuses
+            .iter()
+            .enumerate()
+            .map(|(i, s)| {
+                let how = s.map_or("cannot be waited for".into(), |s| describe(s));
+                format!("rank {}: {how}", first + i)
+            })
+            .collect::<Vec<_>>()
+            .join(", ");
+        Err(DdpError::LaunchStopped {
+            signal,
+            status,
+            code,
+        })
+    }
+}
+
+/// Sends `signal` (SIGKILL if `None`) to a rank that is still running.
+fn kill_pid(pid: u32, signal: Option<i32>) {
     #[cfg(unix)]
     if let Some(pid) = rustix::process::Pid::from_raw(pid as i32) {
-        let _ = rustix::process::kill_process(pid, rustix::process::Signal::KILL);
+        use rustix::process::Signal;
+        let signal = match signal {
+            None => Signal::KILL,
+            Some(s) if s == signal_hook::consts::SIGINT => Signal::INT,
+            Some(s) if s == signal_hook::consts::SIGUSR1 => Signal::USR1,
+            Some(_) => Signal::TERM,
+        };
+        let _ = rustix::process::kill_process(pid, signal);
     }
 }
 

@@ -14,6 +14,7 @@
 //! - [`launch`]: starting N rank processes of a program, as torchrun does (serving the store
 //!   and generating the job [`secret`]); `cli` (feature `cli`): the launcher's flags;
 //! - [`status`]: where each rank is, published so that failures say where every rank was;
+//! - [`signals`]: SIGTERM, SIGINT and SIGUSR1 stop training at a step boundary (preemption);
 //! - `train` (feature `train`): `DdpLearner`, bucketing, `DistributedSampler`, checkpoints.
 //!
 //! ```no_run
@@ -36,6 +37,7 @@ pub mod failure;
 mod group;
 pub mod launch;
 pub mod secret;
+pub mod signals;
 pub mod status;
 pub mod store;
 #[cfg(feature = "train")]

@@ -20,10 +20,13 @@ use super::bucket::BucketConfig;
 use super::checkpoint::CheckpointConfig;
 use super::gather::GlobalItem;
 use super::params::{broadcast_module, check_agreement, layout};
+use super::progress::ProgressOutput;
+use super::quiet::QuietRenderer;
 use super::reducer::GradientReducer;
 use super::sampler::DistributedSampler;
 use super::strategy::DdpStrategy;
 use crate::error::Result;
+use crate::signals::StopSignals;
 use crate::status::Phase;
 use crate::{ProcessGroup, init_process_group};
 
@@ -39,6 +42,7 @@ pub struct DdpLearner<M: LearnerModel> {
     settings: Vec<(String, String)>,
     checkpoints: Option<CheckpointConfig>,
     desync_check: bool,
+    progress: ProgressOutput,
 }
 
 impl<M: LearnerModel> DdpLearner<M> {
@@ -70,6 +74,7 @@ impl<M: LearnerModel> DdpLearner<M> {
             settings: Vec::new(),
             checkpoints: None,
             desync_check: true,
+            progress: ProgressOutput::default(),
         }
     }
 
@@ -106,6 +111,14 @@ impl<M: LearnerModel> DdpLearner<M> {
         self
     }
 
+    /// How rank 0 shows progress (default [`ProgressOutput::Auto`]: burn-train's TUI in a
+    /// terminal with the `tui` feature, readable lines otherwise). Use
+    /// [`ProgressOutput::Keep`] with your own `SupervisedTraining::renderer`.
+    pub fn progress(mut self, output: ProgressOutput) -> Self {
+        self.progress = output;
+        self
+    }
+
     /// Bucket sizes (default 25 MiB, first bucket 1 MiB).
     pub fn buckets(mut self, config: BucketConfig) -> Self {
         self.buckets = config;
@@ -132,6 +145,7 @@ impl<M: LearnerModel> DdpLearner<M> {
         let reducer = GradientReducer::new(&model, self.group.clone(), self.buckets)?
             .desync_check(self.desync_check);
         let strategy = DdpStrategy {
+            signals: StopSignals::arm(self.group.rank(), self.group.options().timeout)?,
             group: self.group,
             device,
             reducer,
@@ -159,12 +173,17 @@ where
 {
     fn launch_ddp(self, learner: DdpLearner<M>) -> Result<LearningResult<M>> {
         let rank = learner.group.rank();
+        let progress = learner.progress;
         let (learner, strategy) = learner.prepare()?;
         let failure = strategy.failure.clone();
         let training = if rank == 0 {
-            self
+            match progress.renderer() {
+                Some(renderer) => self.renderer(renderer),
+                None => self,
+            }
         } else {
             self.with_application_logger(None)
+                .renderer(Box::new(QuietRenderer))
         };
         let result = training
             .with_training_strategy(TrainingStrategy::Custom(Arc::new(strategy)))

@@ -7,9 +7,11 @@ mod fingerprint;
 mod gather;
 mod learner;
 mod params;
+mod progress;
 mod quiet;
 mod reducer;
 mod sampler;
+mod stop;
 mod strategy;
 
 pub use bucket::{Bucket, BucketConfig, BucketPlan};
@@ -17,6 +19,7 @@ pub use checkpoint::{CHECKPOINT_FILE, CheckpointConfig, Position, inspect_checkp
 pub use gather::GlobalItem;
 pub use learner::{DdpLearner, DdpTraining};
 pub use params::{ParamInfo, broadcast_module, check_agreement, flat_parameters, layout};
+pub use progress::{LineRenderer, ProgressOutput};
 pub use quiet::QuietRenderer;
 pub use reducer::GradientReducer;
 pub use sampler::{DistributedDataset, DistributedSampler};

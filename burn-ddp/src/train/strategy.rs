@@ -21,8 +21,10 @@ use super::checkpoint::{self, CheckpointConfig, Position, Snapshot};
 use super::gather::{GlobalItem, PendingItem};
 use super::reducer::GradientReducer;
 use super::sampler::DistributedSampler;
+use super::stop::{StepVote, Stop, Voters};
 use crate::ProcessGroup;
 use crate::error::{DdpError, Result};
+use crate::signals::StopSignals;
 use crate::status::Phase;
 
 /// The custom strategy `DdpLearner` installs. Errors of collectives stop training on every
@@ -34,6 +36,7 @@ pub(crate) struct DdpStrategy {
     pub samplers: Vec<DistributedSampler>,
     pub checkpoints: Option<CheckpointConfig>,
     pub failure: Arc<Mutex<Option<DdpError>>>,
+    pub signals: StopSignals,
 }
 
 /// A step's output on its way to rank 0's event processor.
@@ -44,9 +47,19 @@ struct Report<T> {
     lr: Option<ModuleLearningRate>,
 }
 
-/// Steps between checks of rank 0's stop request (an interruption or error on rank 0 takes
-/// effect within this many steps on every rank; each check is a small broadcast).
-const STOP_CHECK_INTERVAL: usize = 16;
+/// How a split ended.
+struct SplitEnd {
+    /// What the ranks agreed at its end (or when they stopped it early).
+    stop: Stop,
+    /// The last iteration done.
+    iteration: usize,
+    /// This rank's progress after it.
+    progress: Option<Progress>,
+}
+
+/// What one step produced: its output, the learning rate used, and whether the ranks may stop
+/// after it (false inside a gradient accumulation).
+type StepOutput<T> = (T, Option<ModuleLearningRate>, bool);
 
 /// Scales a rank's progress to the whole job (all ranks process as many items).
 fn global(progress: Progress, world: usize) -> Progress {
@@ -62,39 +75,50 @@ impl DdpStrategy {
         self.group.rank() == 0
     }
 
-    /// Records the first failure and stops the loop.
+    /// Records the first failure and stops the loop. A stop by signal is not a failure: it is
+    /// handed back as the outcome without an error in the log.
     fn fail(&self, interrupter: &Interrupter, error: DdpError) {
-        log::error!("rank {}: {error}", self.group.rank());
-        interrupter.stop(Some(&error.to_string()));
+        if matches!(error, DdpError::Stopped { .. }) {
+            log::warn!("{error}");
+            interrupter.stop(None);
+        } else {
+            log::error!("rank {}: {error}", self.group.rank());
+            interrupter.stop(Some(&error.to_string()));
+        }
         let mut slot = self.failure.lock().unwrap_or_else(|p| p.into_inner());
         slot.get_or_insert(error);
     }
 
-    /// Rank 0's decision, on every rank (stop flags, early stopping).
-    fn agree(&self, flag: bool) -> Result<bool> {
-        let status = self.group.status();
-        status.activity(Some("agreeing on rank 0's stop decision".into()));
-        let stop = self.group.broadcast(vec![flag as u8], 0).wait()?[0] != 0;
-        status.activity(None);
-        Ok(stop)
+    fn voters<'a>(&'a self, interrupter: &'a Interrupter) -> Voters<'a> {
+        Voters {
+            group: &self.group,
+            interrupter,
+            signals: &self.signals,
+        }
     }
 
     /// Runs one split: `step` turns a batch into its output (and the learning rate used); each
     /// output is gathered to rank 0 while the next step computes, then handed to `process`.
+    /// After each step where stopping is possible the ranks vote (pipelined, see
+    /// [`StepVote`]); the split ends early when they agree to stop.
     fn run_split<I, T: GlobalItem>(
         &self,
         loader: &Arc<dyn DataLoader<I>>,
         device: &Device,
         first_iteration: usize,
-        mut step: impl FnMut(I, &Progress, usize) -> Result<(T, Option<ModuleLearningRate>)>,
+        mut step: impl FnMut(I, &Progress, usize) -> Result<StepOutput<T>>,
         mut process: impl FnMut(LearnerEvent<T>) -> std::result::Result<(), EventProcessorError>,
         interrupter: &Interrupter,
-    ) -> Result<()> {
+    ) -> Result<SplitEnd> {
         let world = self.group.world_size();
         let mut iterator = loader.iter();
         let mut iteration = first_iteration;
         let mut pending: Option<Report<T>> = None;
         let status = self.group.status();
+        let voters = self.voters(interrupter);
+        let mut vote = StepVote::default();
+        let mut last_progress = None;
+        let mut stop = Stop::Continue;
         loop {
             status.activity(Some("loading a batch".into()));
             let Some(item) = iterator.next() else {
@@ -111,26 +135,35 @@ impl DdpStrategy {
             iteration += 1;
             status.step(iteration);
             let progress = iterator.progress();
-            let (output, lr) = step(item, &progress, iteration)?;
+            let (output, lr, boundary) = step(item, &progress, iteration)?;
             let report = Report {
                 item: PendingItem::start(output, &self.group)?,
-                progress: global(progress, world),
+                progress: global(progress.clone(), world),
                 iteration,
                 lr,
             };
+            last_progress = Some(progress);
             if let Some(previous) = pending.replace(report) {
                 self.report(previous, device, &mut process, interrupter)?;
             }
-            if iteration.is_multiple_of(STOP_CHECK_INTERVAL)
-                && self.agree(interrupter.should_stop())?
-            {
-                break;
+            if boundary {
+                stop = vote.boundary(&voters)?;
+                if stop.stops() {
+                    break;
+                }
             }
         }
         if let Some(last) = pending {
             self.report(last, device, &mut process, interrupter)?;
         }
-        Ok(())
+        if !stop.stops() {
+            stop = vote.finish(&voters)?;
+        }
+        Ok(SplitEnd {
+            stop,
+            iteration,
+            progress: last_progress,
+        })
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -143,7 +176,7 @@ impl DdpStrategy {
         processor: &mut SupervisedTrainingEventProcessor<M>,
         events: &EventStoreClient,
         interrupter: &Interrupter,
-    ) -> Result<()>
+    ) -> Result<SplitEnd>
     where
         M: LearnerModel,
         <M as TrainStep>::Output: GlobalItem,
@@ -166,6 +199,7 @@ impl DdpStrategy {
                 }
                 None => Some(out.grads),
             };
+            let boundary = grads.is_some();
             if let Some(grads) = grads {
                 let grads =
                     self.reducer
@@ -185,7 +219,7 @@ impl DdpStrategy {
                     self.group.status().step(iteration);
                 }
             }
-            Ok((out.item, Some(learner.lr_current())))
+            Ok((out.item, Some(learner.lr_current()), boundary))
         };
         let process = |event| processor.process_train(event);
         self.run_split(
@@ -204,13 +238,13 @@ impl DdpStrategy {
         loader: &ValidLoader<M>,
         processor: &mut SupervisedTrainingEventProcessor<M>,
         interrupter: &Interrupter,
-    ) -> Result<()>
+    ) -> Result<SplitEnd>
     where
         M: LearnerModel,
         <M as InferenceStep>::Output: GlobalItem,
     {
         let model = learner.model().valid();
-        let step = |item, _: &Progress, _| Ok((InferenceStep::step(&model, item), None));
+        let step = |item, _: &Progress, _| Ok((InferenceStep::step(&model, item), None, true));
         let process = |event| processor.process_valid(event);
         self.run_split(
             loader,
@@ -245,6 +279,40 @@ impl DdpStrategy {
         checkpoint::save(&self.group, config, snapshot)?;
         status.enter(phase, Some(at.epoch));
         Ok(())
+    }
+
+    /// After the ranks agreed to stop for `signal`: the checkpoint at `at` (if configured), and
+    /// the error that ends training (or the checkpoint's failure).
+    fn stopped<M: LearnerModel>(
+        &self,
+        learner: &Learner<M>,
+        at: Position,
+        signal: i32,
+        events: &EventStoreClient,
+    ) -> DdpError {
+        match self.checkpoint(learner, at, events) {
+            Ok(()) => {
+                let path = self.checkpoints.as_ref().map(|c| c.path());
+                self.stopped_error(at, signal, path)
+            }
+            Err(e) => e,
+        }
+    }
+
+    fn stopped_error(
+        &self,
+        at: Position,
+        signal: i32,
+        checkpoint: Option<std::path::PathBuf>,
+    ) -> DdpError {
+        self.group.status().enter(Phase::Finished, None);
+        DdpError::Stopped {
+            rank: self.group.rank(),
+            signal,
+            epoch: at.epoch,
+            step: at.batches,
+            checkpoint,
+        }
     }
 
     /// Loads the checkpoint, if configured and present: where to continue from.
@@ -340,7 +408,7 @@ impl DdpStrategy {
                     total_items: train_items,
                 }));
             }
-            self.train_epoch(
+            let end = self.train_epoch(
                 learner,
                 &train,
                 from,
@@ -352,8 +420,27 @@ impl DdpStrategy {
             if self.is_main() {
                 interrupter.fail_on_error(processor.process_train(LearnerEvent::EndSplit(epoch)));
             }
-            if self.agree(interrupter.should_stop())? {
-                break;
+            match end.stop {
+                Stop::Continue => {}
+                Stop::Interrupted => break,
+                Stop::Signal(signal) => {
+                    // Mid-epoch: a checkpoint at this step; at the split's end: at the next
+                    // epoch (this epoch's validation is skipped).
+                    let at = match end.progress.filter(|p| !p.is_completed()) {
+                        Some(progress) => Position {
+                            epoch,
+                            batches: end.iteration,
+                            samples: from.samples + progress.items_processed * world,
+                            world_size: world,
+                        },
+                        None => Position {
+                            epoch: epoch + 1,
+                            world_size: world,
+                            ..Position::default()
+                        },
+                    };
+                    return Err(self.stopped(learner, at, signal, &loop_.event_store));
+                }
             }
             status.enter(Phase::Validation, Some(epoch));
             if self.is_main() {
@@ -362,7 +449,7 @@ impl DdpStrategy {
                     total_items: valid_items,
                 }));
             }
-            self.valid_epoch(learner, &valid, processor, &interrupter)?;
+            let valid_end = self.valid_epoch(learner, &valid, processor, &interrupter)?;
             status.enter(Phase::Checkpointing, Some(epoch));
             let mut stop = false;
             if self.is_main() {
@@ -385,9 +472,14 @@ impl DdpStrategy {
                 ..Position::default()
             };
             self.checkpoint(learner, next, &loop_.event_store)?;
-            // Everyone waits for rank 0's checkpoint and follows its decision.
-            if self.agree(stop)? {
-                break;
+            // Everyone waits for rank 0's checkpoint and follows the vote.
+            match valid_end.stop.or(self.voters(&interrupter).agree(stop)?) {
+                Stop::Continue => {}
+                Stop::Interrupted => break,
+                Stop::Signal(signal) => {
+                    let checkpoint = self.checkpoints.as_ref().map(|c| c.path());
+                    return Err(self.stopped_error(next, signal, checkpoint));
+                }
             }
         }
         status.enter(Phase::Finished, None);

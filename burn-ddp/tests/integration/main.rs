@@ -4,6 +4,8 @@ mod collectives;
 mod common;
 mod env;
 mod faults;
+mod output;
+mod preemption;
 mod processes;
 mod security;
 mod soak;

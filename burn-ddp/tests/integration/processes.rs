@@ -19,7 +19,7 @@ use burn_ddp::{DdpError, ProcessGroup, ReduceOp};
 use crate::common::digest;
 use crate::train::{Job, new_net, train_rank};
 
-const ENTRY: &str = "processes::rank_process";
+pub(crate) const ENTRY: &str = "processes::rank_process";
 /// Exit code of a rank whose collective failed as expected.
 const COLLECTIVE_FAILED: i32 = 3;
 
@@ -120,7 +120,8 @@ fn rank_process() {
                 }
                 Err(e) => {
                     eprintln!("RANK_ERROR: {e}");
-                    std::process::exit(COLLECTIVE_FAILED);
+                    let code = crate::train::EXIT_CODE.load(std::sync::atomic::Ordering::Relaxed);
+                    std::process::exit(code);
                 }
             }
         }

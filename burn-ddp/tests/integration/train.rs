@@ -20,8 +20,8 @@ use burn::train::{
 use burn_ddp::ProcessGroup;
 use burn_ddp::train::{
     BucketConfig, CHECKPOINT_FILE, CheckpointConfig, DdpLearner, DdpTraining, DistributedDataset,
-    DistributedSampler, GradientReducer, QuietRenderer, broadcast_module, flat_parameters,
-    inspect_checkpoint,
+    DistributedSampler, GradientReducer, ProgressOutput, QuietRenderer, broadcast_module,
+    flat_parameters, inspect_checkpoint,
 };
 
 use crate::common::{digest, options, run_world, value};
@@ -81,6 +81,10 @@ pub(crate) struct Net {
     act: Relu,
 }
 
+/// The exit code a rank process of [`train_rank`] ends with when training fails: 3, or the
+/// `DdpError::exit_code` of a stop by signal.
+pub(crate) static EXIT_CODE: std::sync::atomic::AtomicI32 = std::sync::atomic::AtomicI32::new(3);
+
 /// Forward passes so far in this process (for the die-in-forward hook of process tests).
 static FORWARDS: AtomicUsize = AtomicUsize::new(0);
 /// The forward pass this process dies in, if any (see [`die_at_forward`]).
@@ -121,12 +125,26 @@ impl Net {
         let n = FORWARDS.fetch_add(1, Ordering::Relaxed) + 1;
         if DIE_AT_FORWARD.get_or_init(die_at_forward) == &Some(n) {
             std::thread::sleep(std::time::Duration::from_millis(400));
+            if std::env::var_os("BDDP_DIE_BY_SIGNALLING_LAUNCHER").is_some() {
+                // Not dying: the launcher (this process's parent) is told to stop the job, as
+                // a cluster preempting it would; this rank then goes on, and the stop signal
+                // it gets forwarded arrives while it still computes this step.
+                let launcher = rustix::process::getppid().expect("a parent process");
+                eprintln!("SIGNALLING the launcher in forward pass {n}");
+                rustix::process::kill_process(launcher, rustix::process::Signal::TERM).unwrap();
+                std::thread::sleep(std::time::Duration::from_millis(500));
+                return self.compute(b);
+            }
             if std::env::var_os("BDDP_DIE_BY_PANIC").is_some() {
                 panic!("simulated panic in forward pass {n}");
             }
             eprintln!("DYING in forward pass {n}");
             std::process::exit(9);
         }
+        self.compute(b)
+    }
+
+    fn compute(&self, b: Batch) -> ClassificationOutput {
         let h = self.act.forward(self.hidden.forward(b.x));
         let mut logits = self.out.forward(h.clone());
         if let (Some(extra), true) = (&self.extra, b.use_extra) {
@@ -233,7 +251,8 @@ fn train(run: &Run) -> Vec<Outcome> {
         let learner = DdpLearner::with_group(group.clone(), model, SgdConfig::new().init(), 0.5)
             .sampler(&sampler)
             .buckets(run.buckets)
-            .setting("batch", run.batch);
+            .setting("batch", run.batch)
+            .progress(ProgressOutput::Keep);
         let result = training.launch_ddp(learner).expect("training");
         assert!(result.error.is_none(), "{:?}", result.error);
         let _ = std::fs::remove_dir_all(&dir);
@@ -426,6 +445,7 @@ fn ranks_with_different_models_or_settings_stop_naming_the_difference() {
         let learner = |model, batch: usize| {
             DdpLearner::with_group(group.clone(), model, SgdConfig::new().init(), 0.1)
                 .setting("batch_size", batch)
+                .progress(ProgressOutput::Keep)
         };
         // Rank 1 has an extra layer, then a different batch size.
         let model_error = launch_to_error(learner(new_net(None, rank == 1), 4), 4);
@@ -557,11 +577,17 @@ pub(crate) fn train_rank(
         .map_err(|e| e.to_string())?;
     let mut learner =
         DdpLearner::with_group(group.clone(), model, AdamConfig::new().init(), schedule)
-            .sampler(&sampler);
+            .sampler(&sampler)
+            .progress(ProgressOutput::Keep);
     if let Some(c) = &job.checkpoints {
         learner = learner.checkpoints(c.clone());
     }
-    let result = training.launch_ddp(learner).map_err(|e| e.to_string());
+    let result = training.launch_ddp(learner).map_err(|e| {
+        if e.exit_code() != 1 {
+            EXIT_CODE.store(e.exit_code(), Ordering::Relaxed);
+        }
+        e.to_string()
+    });
     let _ = std::fs::remove_dir_all(&dir);
     let result = result.and_then(|r| match r.error {
         Some(e) => Err(format!("training error: {e}")),
@@ -708,7 +734,8 @@ fn a_checkpoint_of_another_model_is_an_error_not_a_panic() {
     let errors = run_world(1, options(30), |group| {
         let model = new_net(None, true);
         let learner = DdpLearner::with_group(Arc::new(group), model, SgdConfig::new().init(), 0.1)
-            .checkpoints(config.clone());
+            .checkpoints(config.clone())
+            .progress(ProgressOutput::Keep);
         launch_to_error(learner, 4)
     });
     assert!(

@@ -25,7 +25,7 @@ use burn::train::{
 };
 use burn_ddp::ProcessGroup;
 use burn_ddp::train::{
-    CheckpointConfig, DdpLearner, DdpTraining, DistributedSampler, QuietRenderer,
+    CheckpointConfig, DdpLearner, DdpTraining, DistributedSampler, ProgressOutput, QuietRenderer,
 };
 
 /// Input features per sample.
@@ -398,8 +398,18 @@ pub fn run(group: Arc<ProcessGroup>, cfg: &Config) -> Result<Report> {
         .metric_train_numeric(AccuracyMetric::new())
         .metric_valid_numeric(AccuracyMetric::new())
         .num_epochs(cfg.epochs);
-    if cfg.quiet {
+    // Rank 0's progress: burn's TUI in a terminal, readable lines otherwise (DdpLearner
+    // chooses; burn's own Learner is told here), nothing with --quiet.
+    let progress = if cfg.quiet {
         training = training.renderer(Box::new(QuietRenderer));
+        ProgressOutput::Keep
+    } else {
+        ProgressOutput::Auto
+    };
+    if cfg.plain
+        && let Some(renderer) = progress.renderer()
+    {
+        training = training.renderer(renderer);
     }
     let start = std::time::Instant::now();
     let result = if cfg.plain {
@@ -416,7 +426,8 @@ pub fn run(group: Arc<ProcessGroup>, cfg: &Config) -> Result<Report> {
                 .setting("seed", cfg.seed)
                 .setting("epochs", cfg.epochs)
                 .setting("data", format!("{:?}", cfg.digits))
-                .desync_check(!cfg.no_desync_check);
+                .desync_check(!cfg.no_desync_check)
+                .progress(progress);
         if let Some(dir) = &cfg.checkpoint_dir {
             learner = learner.checkpoints(CheckpointConfig::new(dir).every(cfg.checkpoint_every));
         }
@@ -445,6 +456,26 @@ pub fn run(group: Arc<ProcessGroup>, cfg: &Config) -> Result<Report> {
         steps,
         samples: steps * cfg.batch_size * group.world_size(),
     })
+}
+
+/// Ends a binary: prints the error with its causes and exits with its code (128 + the signal
+/// for a stop by signal, see `burn_ddp::signals`; 1 for other errors).
+pub fn exit(result: Result<()>) -> std::process::ExitCode {
+    match result {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            let code = e
+                .chain()
+                .find_map(|c| c.downcast_ref::<burn_ddp::DdpError>())
+                .map_or(1, burn_ddp::DdpError::exit_code);
+            if code == 1 {
+                eprintln!("Error: {e:#}");
+            } else {
+                eprintln!("{e:#}");
+            }
+            std::process::ExitCode::from(u8::try_from(code).unwrap_or(1))
+        }
+    }
 }
 
 /// Entry point of the binaries: forms the group from the environment, trains, and has rank 0

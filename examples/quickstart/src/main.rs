@@ -12,6 +12,6 @@
 //! `--checkpoint-dir DIR` (checkpoint every epoch, resume from DIR when a checkpoint is there)
 //! `--checkpoint-every N` (also every N steps) `--no-desync-check` (to measure its cost).
 
-fn main() -> anyhow::Result<()> {
-    quickstart::main_with(quickstart::Config::default())
+fn main() -> std::process::ExitCode {
+    quickstart::exit(quickstart::main_with(quickstart::Config::default()))
 }

@@ -10,12 +10,12 @@
 
 use quickstart::{Config, Digits};
 
-fn main() -> anyhow::Result<()> {
-    quickstart::main_with(Config {
+fn main() -> std::process::ExitCode {
+    quickstart::exit(quickstart::main_with(Config {
         epochs: 30,
         lr: 0.1,
         digits: Some(Digits::bundled_path()),
         artifacts: std::env::temp_dir().join("burn-ddp-digits"),
         ..Config::default()
-    })
+    }))
 }

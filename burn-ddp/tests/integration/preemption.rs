@@ -1,0 +1,111 @@
+//! Stop signals: SIGTERM to the launcher (`burn-ddp-run`) is forwarded to the ranks, which stop
+//! together at a step boundary, write a checkpoint there and exit with 143; the launcher exits
+//! with it, and the job started again resumes and ends bit-identical to one never stopped.
+
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use burn_ddp::train::inspect_checkpoint;
+
+use crate::common::digest;
+use crate::processes::ENTRY;
+use crate::train::Job;
+
+/// Runs the `train` scenario on 2 ranks under the real launcher binary; returns its exit code
+/// and stderr, after at most `bound`.
+fn launch_job(env: &[(&str, String)], bound: Duration) -> (Option<i32>, String, Duration) {
+    let exe = std::env::current_exe().unwrap();
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_burn-ddp-run"));
+    cmd.args(["--nproc", "2"])
+        .arg(exe)
+        .args(["--exact", ENTRY, "--ignored", "--nocapture"])
+        .env("BDDP_TEST_SCENARIO", "train")
+        .env("BURN_DDP_TIMEOUT", "20")
+        .envs(env.iter().map(|(k, v)| (k, v)))
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    let start = Instant::now();
+    let mut child = cmd.spawn().unwrap();
+    let stderr = child.stderr.take().unwrap();
+    let reader = std::thread::spawn(move || {
+        let mut s = String::new();
+        let _ = std::io::Read::read_to_string(&mut { stderr }, &mut s);
+        s
+    });
+    let status = loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            break status;
+        }
+        if start.elapsed() > bound {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("the launcher did not end within {bound:?}");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    let took = start.elapsed();
+    (status.code(), reader.join().unwrap(), took)
+}
+
+#[test]
+fn sigterm_to_the_launcher_stops_the_job_at_a_step_with_a_checkpoint_and_it_resumes() {
+    let scratch = std::env::temp_dir().join(format!("burn-ddp-sigterm-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&scratch);
+    let (ckpt, results) = (scratch.join("ckpt"), scratch.join("results"));
+    std::fs::create_dir_all(&results).unwrap();
+    let common = [
+        ("BDDP_CKPT_DIR", ckpt.display().to_string()),
+        ("BDDP_RESULT_DIR", results.display().to_string()),
+    ];
+    // Rank 1 signals the launcher in forward pass 12: epoch 2 (6 training and 3 validation
+    // passes per epoch), its 3rd step. Checkpoints are written at epoch ends only, so the one
+    // found mid-epoch is the stop's.
+    let mut stopped = common.to_vec();
+    stopped.extend([
+        ("BDDP_DIE_RANK", "1".to_string()),
+        ("BDDP_DIE_AT_FORWARD", "12".to_string()),
+        ("BDDP_DIE_BY_SIGNALLING_LAUNCHER", "1".to_string()),
+    ]);
+    let (code, err, took) = launch_job(&stopped, Duration::from_secs(60));
+    assert_eq!(
+        code,
+        Some(143),
+        "the launcher exits with 128 + SIGTERM; stderr:\n{err}"
+    );
+    assert!(err.contains("SIGTERM: forwarded to the ranks"), "{err}");
+    assert!(err.contains("stopped by SIGTERM"), "{err}");
+    println!("stopped job ended {took:?} after its start");
+    let position = inspect_checkpoint(&ckpt.join(burn_ddp::train::CHECKPOINT_FILE))
+        .expect("a checkpoint was written at the stop");
+    // The vote of step 3 (which rank 1 ends after the signal came back to it) is read after
+    // step 4: the ranks stop there.
+    assert_eq!(
+        (position.epoch, position.batches),
+        (2, 4),
+        "stopped mid-epoch 2 after step 4: {position:?}"
+    );
+    assert!(
+        std::fs::read_dir(&results).unwrap().next().is_none(),
+        "no rank finished training"
+    );
+
+    // Started again: resumes from the stop's checkpoint and finishes.
+    let (code, err, _) = launch_job(&common, Duration::from_secs(120));
+    assert_eq!(code, Some(0), "the resumed job ends; stderr:\n{err}");
+    let read = |r: usize| std::fs::read_to_string(results.join(format!("rank-{r}"))).unwrap();
+    assert_eq!(read(0), read(1), "ranks differ");
+    let straight = crate::train::run_job(&Job {
+        world: 2,
+        checkpoints: None,
+        fail_at: None,
+        count: None,
+    });
+    let want = digest(bytemuck::cast_slice(straight[0].as_ref().unwrap())).to_string();
+    assert_eq!(
+        read(0),
+        want,
+        "the resumed job differs from one never stopped"
+    );
+    let _ = std::fs::remove_dir_all(&scratch);
+}
