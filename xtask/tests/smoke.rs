@@ -150,17 +150,32 @@ fn run(mut cmd: Command) -> Ran {
     ran
 }
 
-/// A scratch directory for one program's files.
-fn scratch(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("burn-ddp-smoke-{}-{name}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).expect("creating a scratch directory");
-    dir
+/// A scratch directory for one program's files, removed when dropped.
+struct Scratch(PathBuf);
+
+impl Scratch {
+    fn new(name: &str) -> Self {
+        let dir =
+            std::env::temp_dir().join(format!("burn-ddp-smoke-{}-{name}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).expect("creating a scratch directory");
+        Scratch(dir)
+    }
+
+    fn arg(&self) -> String {
+        self.0.display().to_string()
+    }
 }
 
-/// Tiny quickstart flags, with burn-train's files in a directory of their own.
-fn tiny_training(name: &str) -> Vec<String> {
-    let artifacts = scratch(name).display().to_string();
+impl Drop for Scratch {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// Tiny quickstart flags, with burn-train's files in `artifacts`.
+fn tiny_training(artifacts: &Scratch) -> Vec<String> {
+    let artifacts = artifacts.arg();
     ["--epochs", "1", "--samples", "64", "--batch-size", "16"]
         .into_iter()
         .map(String::from)
@@ -285,7 +300,8 @@ fn every_example_runs_under_the_launcher() {
     let ran = run(launched("hello_ddp", &[]));
     ran.succeeds_printing(&["rank 0 of 2: sum of ranks 1 over 2 ranks", "rank 1 of 2"]);
 
-    let ran = run(launched("quickstart", &tiny_training("quickstart")));
+    let artifacts = Scratch::new("quickstart");
+    let ran = run(launched("quickstart", &tiny_training(&artifacts)));
     ran.succeeds_printing(&["2 rank(s), 1 epochs, batch 16 per rank: validation accuracy"]);
     let digests = ran.digests();
     assert_eq!(digests.len(), 2, "{}", ran.describe());
@@ -296,8 +312,8 @@ fn every_example_runs_under_the_launcher() {
         ran.describe()
     );
 
-    let artifacts = scratch("digits").display().to_string();
-    let args = ["--epochs", "1", "--quiet", "--artifacts", &artifacts].map(String::from);
+    let artifacts = Scratch::new("digits");
+    let args = ["--epochs", "1", "--quiet", "--artifacts", &artifacts.arg()].map(String::from);
     let ran = run(launched("digits", &args));
     ran.succeeds_printing(&["2 rank(s), 1 epochs, batch 32 per rank: validation accuracy"]);
     assert_eq!(ran.digests().len(), 2, "{}", ran.describe());
@@ -324,7 +340,8 @@ fn xtask_tasks_that_start_ranks_run() {
     ran.succeeds_printing(&["rank 1 of 2: sum of ranks 1 over 2 ranks"]);
 
     let mut args = vec!["multi-cpu", "--nproc", "2", "--example", "quickstart", "--"];
-    let training = tiny_training("xtask-quickstart");
+    let artifacts = Scratch::new("xtask-quickstart");
+    let training = tiny_training(&artifacts);
     args.extend(training.iter().map(String::as_str));
     let ran = run(xtask(&args));
     ran.succeeds_printing(&["validation accuracy"]);
