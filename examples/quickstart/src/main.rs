@@ -12,5 +12,7 @@
 //! `--checkpoint-every N` (also every N steps) `--no-desync-check` (to measure its cost).
 
 fn main() -> anyhow::Result<()> {
+    // Under torchrun, the error goes to its error file too (its "Root Cause" report).
     quickstart::main_with(quickstart::Config::default())
+        .inspect_err(|e| burn_ddp::elastic::record_error(&format_args!("{e:#}")))
 }
