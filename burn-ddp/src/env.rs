@@ -186,8 +186,8 @@ impl LaunchEnv {
                 _ => return Err(invalid("MASTER_PORT", &v, "a TCP port number in 1..=65535")),
             },
         };
-        let restart_count = elastic::restart_count_from(&get)?;
-        let torchrun_store = elastic::uses_agent_store(&get)?;
+        let restart_count = elastic::restart_count_from(get)?;
+        let torchrun_store = elastic::uses_agent_store(get)?;
         let store_kind = if torchrun_store {
             StoreKind::C10d {
                 namespace: elastic::store_namespace(restart_count),

@@ -131,7 +131,7 @@ impl Store {
     /// key under `namespace`. A Python `TCPStore` client reads key `k` as `namespace + k`.
     pub fn connect_c10d(addr: &str, timeout: Duration, namespace: &str) -> Result<Self> {
         let stream = dial(addr, timeout, "torchrun's agent store")?;
-        let (client, local) = C10dClient::handshake(addr, stream)?;
+        let (client, local) = C10dClient::handshake(addr, stream, timeout)?;
         Ok(Store {
             addr: addr.to_string(),
             local,

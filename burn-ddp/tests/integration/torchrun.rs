@@ -279,3 +279,45 @@ fn failing_ranks_write_the_error_file_torchrun_reads() {
     assert!(!saw.contains(LATER), "{saw}");
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+#[test]
+fn torchrun_variables_select_its_store_and_the_attempt() {
+    use burn_ddp::env::LaunchEnv;
+    use burn_ddp::store::StoreKind;
+    let vars = |extra: &[(&'static str, &'static str)]| {
+        let mut v = vec![
+            ("RANK", "1"),
+            ("WORLD_SIZE", "2"),
+            ("MASTER_ADDR", "localhost"),
+            ("MASTER_PORT", "43917"),
+        ];
+        v.extend_from_slice(extra);
+        LaunchEnv::from_lookup(move |k| v.iter().find(|(n, _)| *n == k).map(|(_, x)| x.to_string()))
+    };
+    let plain = vars(&[]).unwrap();
+    assert_eq!(
+        (plain.store_kind.clone(), plain.agent_store),
+        (StoreKind::BurnDdp, false)
+    );
+    assert_eq!(plain.restart_count, 0);
+    let env = vars(&[
+        ("TORCHELASTIC_USE_AGENT_STORE", "True"),
+        ("TORCHELASTIC_RESTART_COUNT", "3"),
+    ])
+    .unwrap();
+    assert!(env.agent_store);
+    assert_eq!(env.restart_count, 3);
+    let namespace = "burn_ddp/attempt_3/".to_string();
+    assert_eq!(env.store_kind, StoreKind::C10d { namespace });
+    // burn-ddp-run's count wins over torchrun's.
+    let ours = vars(&[
+        ("TORCHELASTIC_RESTART_COUNT", "3"),
+        ("BURN_DDP_RESTART_COUNT", "1"),
+    ]);
+    assert_eq!(ours.unwrap().restart_count, 1);
+    let err = vars(&[("TORCHELASTIC_USE_AGENT_STORE", "maybe")]).unwrap_err();
+    assert!(
+        err.to_string().contains("TORCHELASTIC_USE_AGENT_STORE"),
+        "{err}"
+    );
+}

@@ -87,8 +87,13 @@ fn check_on(stream: &mut TcpStream, keys: &[&str]) -> io::Result<bool> {
 }
 
 impl C10dClient {
-    /// Validates a fresh connection and checks that a c10d store answers on it.
-    pub(crate) fn handshake(addr: &str, mut stream: TcpStream) -> Result<(Self, SocketAddr)> {
+    /// Validates a fresh connection and checks that a c10d store answers on it within
+    /// `timeout` (at least 1 s, at most 10 s).
+    pub(crate) fn handshake(
+        addr: &str,
+        mut stream: TcpStream,
+        timeout: Duration,
+    ) -> Result<(Self, SocketAddr)> {
         let fail = |reason: String| DdpError::Store {
             addr: addr.to_string(),
             reason,
@@ -98,7 +103,9 @@ impl C10dClient {
         // the server parsed it.
         let answer = send(&mut stream, Query::Validate)
             .and_then(|_| send(&mut stream, Query::NumKeys))
-            .and_then(|_| stream.set_read_timeout(Some(ANSWER_MARGIN)))
+            .and_then(|_| {
+                stream.set_read_timeout(Some(timeout.clamp(Duration::from_secs(1), ANSWER_MARGIN)))
+            })
             .and_then(|_| read_i64(&mut stream));
         match answer {
             Ok(n) if (0..1 << 40).contains(&n) => {}
