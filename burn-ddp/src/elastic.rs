@@ -80,11 +80,13 @@ static RECORDED: Mutex<bool> = Mutex::new(false);
 /// an I/O failure is logged, never raised. Call it from `main` when it fails:
 ///
 /// ```no_run
-/// fn main() -> anyhow::Result<()> {
-///     run().inspect_err(|e| burn_ddp::elastic::record_error(&format_args!("{e:#}")))
+/// fn main() -> Result<(), burn_ddp::DdpError> {
+///     run().inspect_err(|e| burn_ddp::elastic::record_error(e))
 /// }
-/// # fn run() -> anyhow::Result<()> { Ok(()) }
+/// # fn run() -> Result<(), burn_ddp::DdpError> { Ok(()) }
 /// ```
+///
+/// (with `anyhow`: `record_error(&format_args!("{e:#}"))` to include the error's causes).
 pub fn record_error(error: &dyn Display) {
     let Some(path) = std::env::var_os(ERROR_FILE_VAR).filter(|p| !p.is_empty()) else {
         return;

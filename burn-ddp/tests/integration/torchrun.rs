@@ -321,3 +321,35 @@ fn torchrun_variables_select_its_store_and_the_attempt() {
         "{err}"
     );
 }
+
+#[test]
+fn a_job_restarted_by_torchrun_starts_afresh_in_the_same_store() {
+    let torchrun = torchrun_or_skip!();
+    let me = std::env::current_exe().unwrap();
+    // Rank 1 exits on the first attempt; torchrun restarts both ranks, which then meet in the
+    // same agent store. Keys of attempt 0 (taken rank numbers, the failure record) would
+    // refuse or fail attempt 1 if they were visible to it.
+    let mut cmd = Command::new(torchrun);
+    cmd.args([
+        "--nproc-per-node",
+        "2",
+        "--max-restarts",
+        "1",
+        "--no-python",
+    ])
+    .arg(me)
+    .args([
+        "--exact",
+        "processes::rank_process",
+        "--ignored",
+        "--nocapture",
+        "--test-threads=1",
+    ])
+    .env("BDDP_TEST_SCENARIO", "fail_first_start")
+    .env("BURN_DDP_RENDEZVOUS_TIMEOUT", "60")
+    .env("BURN_DDP_TIMEOUT", "60");
+    let (code, out) = run_bounded(cmd, Duration::from_secs(240));
+    println!("{out}");
+    assert_eq!(code, Some(0), "{out}");
+    assert_eq!(out.matches("SUM_OK").count(), 2, "{out}");
+}
