@@ -88,6 +88,11 @@ static RECORDED: Mutex<bool> = Mutex::new(false);
 ///
 /// (with `anyhow`: `record_error(&format_args!("{e:#}"))` to include the error's causes).
 pub fn record_error(error: &dyn Display) {
+    record_error_with(|| error.to_string());
+}
+
+/// As [`record_error`], building the message only when it will be written.
+pub(crate) fn record_error_with(message: impl FnOnce() -> String) {
     let Some(path) = std::env::var_os(ERROR_FILE_VAR).filter(|p| !p.is_empty()) else {
         return;
     };
@@ -99,7 +104,7 @@ pub fn record_error(error: &dyn Display) {
     let timestamp = SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .map_or(0, |d| d.as_secs());
-    let json = error_file_json(&error.to_string(), timestamp);
+    let json = error_file_json(&message(), timestamp);
     if let Err(e) = std::fs::write(&path, json) {
         log::error!(
             "cannot write the torchrun error file {}: {e}",

@@ -48,7 +48,8 @@ pub struct LaunchEnv {
     pub local_rank: usize,
     /// Number of processes on this node.
     pub local_world_size: usize,
-    /// Host of rank 0's store; `None` for a world of size 1 without `MASTER_ADDR`.
+    /// Host of the store (rank 0's, or the launcher's); `None` for a world of size 1 without
+    /// `MASTER_ADDR`.
     pub master_addr: Option<String>,
     /// Port of rank 0's store.
     pub master_port: u16,

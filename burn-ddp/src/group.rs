@@ -344,9 +344,11 @@ impl ProcessGroup {
         }
     }
 
-    /// Forms the group described by the process environment.
+    /// Forms the group described by the process environment. A failure is also written to
+    /// torchrun's error file, when there is one ([`crate::elastic::record_error`]).
     pub fn from_env() -> Result<Self> {
-        Self::from_launch_env(&LaunchEnv::from_env()?)
+        let group = LaunchEnv::from_env().and_then(|env| Self::from_launch_env(&env));
+        group.inspect_err(|e| crate::elastic::record_error(e))
     }
 
     /// Forms the group described by `env`.
@@ -474,11 +476,13 @@ impl ProcessGroup {
             .submit(move |t| Ok(t.abort(record)))
             .wait()
             .unwrap_or_else(|e| e.to_string());
-        crate::elastic::record_error(&format_args!(
-            "rank {}: stopped the group: {cause}; where the ranks were: {}",
-            self.rank,
-            self.status.report()
-        ));
+        crate::elastic::record_error_with(|| {
+            format!(
+                "rank {}: stopped the group: {cause}; where the ranks were: {}",
+                self.rank,
+                self.status.report()
+            )
+        });
         cause
     }
 
