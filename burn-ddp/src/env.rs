@@ -4,11 +4,17 @@
 //! set, else Slurm (`SLURM_PROCID`, `SLURM_NTASKS`, ...), else Open MPI
 //! (`OMPI_COMM_WORLD_RANK`, ...), else a world of size 1. `MASTER_ADDR` and `MASTER_PORT` are
 //! read in every case; `MASTER_PORT` defaults to 29500 as in PyTorch.
+//!
+//! Under torchrun (`TORCHELASTIC_USE_AGENT_STORE=True`) torchrun's agent already serves a
+//! PyTorch c10d store at `MASTER_ADDR:MASTER_PORT`: no rank serves one, every rank joins that
+//! store as a client, under a key prefix of the attempt (see [`crate::elastic`]).
 
 use std::time::Duration;
 
+use crate::elastic;
 use crate::error::{DdpError, Result};
 use crate::secret::{JobSecret, SECRET_VAR};
+use crate::store::StoreKind;
 
 /// Set to `1` by a launcher that serves the store itself (rank 0 then does not).
 pub const AGENT_STORE_VAR: &str = "BURN_DDP_AGENT_STORE";
@@ -42,7 +48,8 @@ pub struct LaunchEnv {
     pub local_rank: usize,
     /// Number of processes on this node.
     pub local_world_size: usize,
-    /// Host of rank 0's store; `None` for a world of size 1 without `MASTER_ADDR`.
+    /// Host of the store (rank 0's, or the launcher's); `None` for a world of size 1 without
+    /// `MASTER_ADDR`.
     pub master_addr: Option<String>,
     /// Port of rank 0's store.
     pub master_port: u16,
@@ -54,8 +61,15 @@ pub struct LaunchEnv {
     pub source: EnvSource,
     /// The job secret from `BURN_DDP_SECRET` (set by `burn-ddp-run`), if any.
     pub secret: Option<JobSecret>,
-    /// `BURN_DDP_AGENT_STORE=1`: the launcher serves the store, so rank 0 does not.
+    /// `BURN_DDP_AGENT_STORE=1` or `TORCHELASTIC_USE_AGENT_STORE=True`: the launcher serves
+    /// the store, so rank 0 does not.
     pub agent_store: bool,
+    /// The store to join: torchrun's c10d store under `TORCHELASTIC_USE_AGENT_STORE=True`,
+    /// with keys under the attempt's namespace; burn-ddp's own otherwise.
+    pub store_kind: StoreKind,
+    /// Which start of the job this is: `BURN_DDP_RESTART_COUNT`, else
+    /// `TORCHELASTIC_RESTART_COUNT`, else 0.
+    pub restart_count: usize,
     /// `BURN_DDP_STORE_BIND`: the host the store listens on, instead of `MASTER_ADDR`'s
     /// interface (for example `0.0.0.0`).
     pub store_bind: Option<String>,
@@ -173,6 +187,15 @@ impl LaunchEnv {
                 _ => return Err(invalid("MASTER_PORT", &v, "a TCP port number in 1..=65535")),
             },
         };
+        let restart_count = elastic::restart_count_from(get)?;
+        let torchrun_store = elastic::uses_agent_store(get)?;
+        let store_kind = if torchrun_store {
+            StoreKind::C10d {
+                namespace: elastic::store_namespace(restart_count),
+            }
+        } else {
+            StoreKind::BurnDdp
+        };
         Ok(LaunchEnv {
             rank,
             world_size,
@@ -184,11 +207,14 @@ impl LaunchEnv {
             rendezvous_timeout: parse_seconds(&get, "BURN_DDP_RENDEZVOUS_TIMEOUT")?,
             source,
             secret: get(SECRET_VAR).map(JobSecret::new).transpose()?,
-            agent_store: match get(AGENT_STORE_VAR).as_deref().map(str::trim) {
-                None | Some("0") => false,
-                Some("1") => true,
-                Some(v) => return Err(invalid(AGENT_STORE_VAR, v, "0 or 1")),
-            },
+            agent_store: torchrun_store
+                || match get(AGENT_STORE_VAR).as_deref().map(str::trim) {
+                    None | Some("0") => false,
+                    Some("1") => true,
+                    Some(v) => return Err(invalid(AGENT_STORE_VAR, v, "0 or 1")),
+                },
+            store_kind,
+            restart_count,
             store_bind: get(STORE_BIND_VAR).map(|v| v.trim().to_string()),
         })
     }

@@ -20,7 +20,7 @@ use crate::error::{DdpError, Result};
 use crate::failure::FailureRecord;
 use crate::secret::JobSecret;
 use crate::status::StatusBoard;
-use crate::store::{Store, StoreServer};
+use crate::store::{Store, StoreKind, StoreServer};
 
 /// Options of a process group. The defaults suit training; tests shorten the timeouts.
 #[derive(Debug, Clone)]
@@ -73,6 +73,7 @@ pub struct ProcessGroupBuilder {
     host_store: Option<bool>,
     store_bind: Option<String>,
     secret: Option<JobSecret>,
+    store_kind: StoreKind,
     options: GroupOptions,
 }
 
@@ -112,6 +113,13 @@ impl ProcessGroupBuilder {
     /// The job secret: the store and the data plane admit only processes that present it.
     pub fn secret(mut self, secret: JobSecret) -> Self {
         self.secret = Some(secret);
+        self
+    }
+    /// The kind of store to join (default burn-ddp's own). With [`StoreKind::C10d`] (torchrun's
+    /// agent store) no rank serves one, and without a [`secret`](Self::secret) the ranks agree
+    /// on one through the store before the data plane forms.
+    pub fn store_kind(mut self, kind: StoreKind) -> Self {
+        self.store_kind = kind;
         self
     }
     /// Collective timeout (time without progress).
@@ -156,7 +164,8 @@ impl ProcessGroupBuilder {
                 "chunk_bytes must be at least 8 and the timeout positive".into(),
             ));
         }
-        let host_store = self.host_store.unwrap_or(rank == 0);
+        let c10d = matches!(self.store_kind, StoreKind::C10d { .. });
+        let host_store = self.host_store.unwrap_or(rank == 0 && !c10d);
         let deadline = Instant::now() + options.rendezvous_timeout;
 
         // A world of one needs no master: it serves itself on an ephemeral loopback port.
@@ -209,12 +218,15 @@ impl ProcessGroupBuilder {
             }
         };
 
-        let secret = self.secret.as_ref();
-        let store = Arc::new(Store::connect_with_secret(
-            &store_addr,
-            options.rendezvous_timeout,
-            secret,
-        )?);
+        let kind = if server.is_some() {
+            &StoreKind::BurnDdp
+        } else {
+            &self.store_kind
+        };
+        let timeout = options.rendezvous_timeout;
+        let store = Store::connect_kind(kind, &store_addr, timeout, self.secret.as_ref())?;
+        let secret = store.secret_for_group(self.secret)?;
+        let (store, secret) = (Arc::new(store), secret.as_ref());
         let streams = if world_size > 1 {
             mesh::connect(rank, world_size, &store, secret, deadline)?
         } else {
@@ -327,13 +339,16 @@ impl ProcessGroup {
             host_store: None,
             store_bind: None,
             secret: None,
+            store_kind: StoreKind::default(),
             options: GroupOptions::default(),
         }
     }
 
-    /// Forms the group described by the process environment.
+    /// Forms the group described by the process environment. A failure is also written to
+    /// torchrun's error file, when there is one ([`crate::elastic::record_error`]).
     pub fn from_env() -> Result<Self> {
-        Self::from_launch_env(&LaunchEnv::from_env()?)
+        let group = LaunchEnv::from_env().and_then(|env| Self::from_launch_env(&env));
+        group.inspect_err(|e| crate::elastic::record_error(e))
     }
 
     /// Forms the group described by `env`.
@@ -360,6 +375,7 @@ impl ProcessGroup {
         if env.agent_store {
             b = b.host_store(false);
         }
+        b = b.store_kind(env.store_kind.clone());
         b.build()
     }
 
@@ -456,9 +472,18 @@ impl ProcessGroup {
             culprit: None,
             cause: reason.to_string(),
         };
-        self.submit(move |t| Ok(t.abort(record)))
+        let cause = self
+            .submit(move |t| Ok(t.abort(record)))
             .wait()
-            .unwrap_or_else(|e| e.to_string())
+            .unwrap_or_else(|e| e.to_string());
+        crate::elastic::record_error_with(|| {
+            format!(
+                "rank {}: stopped the group: {cause}; where the ranks were: {}",
+                self.rank,
+                self.status.report()
+            )
+        });
+        cause
     }
 
     /// The group's recorded failure, if any rank recorded one (read from the store).
@@ -481,6 +506,7 @@ impl Drop for ProcessGroup {
                     self.status.current()
                 ),
             };
+            crate::elastic::record_error(&record.cause);
             let _ = self.submit(move |t| Ok(t.abort(record)));
         }
         self.jobs.take();

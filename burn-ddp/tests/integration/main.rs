@@ -1,5 +1,6 @@
 //! burn-ddp's integration tests: real ranks over loopback TCP, as threads and as processes.
 
+mod c10d;
 mod collectives;
 mod common;
 mod env;
@@ -10,4 +11,5 @@ mod processes;
 mod security;
 mod soak;
 mod store;
+mod torchrun;
 mod train;
