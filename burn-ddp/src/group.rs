@@ -36,6 +36,9 @@ pub struct GroupOptions {
     /// How long a collective retries its sockets before sleeping in the poller (default 20 µs).
     /// Longer spins cut small-message latency but take a core from computation.
     pub spin: Duration,
+    /// Network interface the data plane listens on and advertises, e.g. `"ib0"` (default: the
+    /// interface whose address reaches the store). From `BURN_DDP_SOCKET_IFNAME`.
+    pub socket_ifname: Option<String>,
 }
 
 impl Default for GroupOptions {
@@ -46,6 +49,7 @@ impl Default for GroupOptions {
             chunk_bytes: 512 << 10,
             max_gather_bytes: 1 << 30,
             spin: Duration::from_micros(20),
+            socket_ifname: None,
         }
     }
 }
@@ -122,6 +126,11 @@ impl ProcessGroupBuilder {
     /// Rendezvous timeout.
     pub fn rendezvous_timeout(mut self, t: Duration) -> Self {
         self.options.rendezvous_timeout = t;
+        self
+    }
+    /// The network interface of the data plane (see [`GroupOptions::socket_ifname`]).
+    pub fn socket_ifname(mut self, name: impl Into<String>) -> Self {
+        self.options.socket_ifname = Some(name.into());
         self
     }
     /// All options at once.
@@ -216,7 +225,8 @@ impl ProcessGroupBuilder {
             secret,
         )?);
         let streams = if world_size > 1 {
-            mesh::connect(rank, world_size, &store, secret, deadline)?
+            let ifname = options.socket_ifname.as_deref();
+            mesh::connect(rank, world_size, &store, secret, ifname, deadline)?
         } else {
             vec![None]
         };
@@ -359,6 +369,9 @@ impl ProcessGroup {
         }
         if env.agent_store {
             b = b.host_store(false);
+        }
+        if let Some(name) = &env.socket_ifname {
+            b = b.socket_ifname(name.clone());
         }
         b.build()
     }
