@@ -36,9 +36,6 @@ pub struct GroupOptions {
     /// How long a collective retries its sockets before sleeping in the poller (default 20 µs).
     /// Longer spins cut small-message latency but take a core from computation.
     pub spin: Duration,
-    /// Network interface the data plane listens on and advertises, e.g. `"ib0"` (default: the
-    /// interface whose address reaches the store). From `BURN_DDP_SOCKET_IFNAME`.
-    pub socket_ifname: Option<String>,
 }
 
 impl Default for GroupOptions {
@@ -49,7 +46,6 @@ impl Default for GroupOptions {
             chunk_bytes: 512 << 10,
             max_gather_bytes: 1 << 30,
             spin: Duration::from_micros(20),
-            socket_ifname: None,
         }
     }
 }
@@ -77,6 +73,7 @@ pub struct ProcessGroupBuilder {
     host_store: Option<bool>,
     store_bind: Option<String>,
     secret: Option<JobSecret>,
+    socket_ifname: Option<String>,
     options: GroupOptions,
 }
 
@@ -128,9 +125,10 @@ impl ProcessGroupBuilder {
         self.options.rendezvous_timeout = t;
         self
     }
-    /// The network interface of the data plane (see [`GroupOptions::socket_ifname`]).
+    /// The network interface the data plane listens on and advertises, e.g. `"ib0"` (default:
+    /// the interface whose address reaches the store; `BURN_DDP_SOCKET_IFNAME` from the env).
     pub fn socket_ifname(mut self, name: impl Into<String>) -> Self {
-        self.options.socket_ifname = Some(name.into());
+        self.socket_ifname = Some(name.into());
         self
     }
     /// All options at once.
@@ -225,7 +223,7 @@ impl ProcessGroupBuilder {
             secret,
         )?);
         let streams = if world_size > 1 {
-            let ifname = options.socket_ifname.as_deref();
+            let ifname = self.socket_ifname.as_deref();
             mesh::connect(rank, world_size, &store, secret, ifname, deadline)?
         } else {
             vec![None]
@@ -337,6 +335,7 @@ impl ProcessGroup {
             host_store: None,
             store_bind: None,
             secret: None,
+            socket_ifname: None,
             options: GroupOptions::default(),
         }
     }

@@ -1,9 +1,13 @@
 //! burn-ddp's integration tests: real ranks over loopback TCP, as threads and as processes.
 
+mod bins;
 mod collectives;
 mod common;
 mod env;
 mod faults;
+mod flood;
+mod mpi;
+mod netif;
 mod processes;
 mod security;
 mod soak;
