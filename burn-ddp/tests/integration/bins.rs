@@ -10,8 +10,11 @@ use std::sync::{Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 /// The path of binary `bin` of workspace package `package`, built now if this test process has
-/// not built it yet (`cargo build -p PACKAGE --bin BIN`, same profile as this test binary).
-/// Panics with cargo's output when the build fails.
+/// not built it yet, with the same profile as this test binary. It builds every target of the
+/// workspace (`cargo build --workspace --all-targets`): that is the feature unification of
+/// `cargo test --workspace` (CI's command), so there only the binaries themselves are compiled,
+/// whereas `cargo build -p PACKAGE` would rebuild the burn stack with other features (minutes
+/// on 2 cores). Panics with cargo's output when the build fails.
 pub fn example_bin(package: &str, bin: &str) -> PathBuf {
     static BUILT: OnceLock<Mutex<HashMap<String, PathBuf>>> = OnceLock::new();
     let mut built = BUILT
@@ -35,7 +38,7 @@ pub fn example_bin(package: &str, bin: &str) -> PathBuf {
     let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
     let started = Instant::now();
     let out = Command::new(cargo)
-        .args(["build", "--quiet", "-p", package, "--bin", bin, "--profile"])
+        .args(["build", "--quiet", "--workspace", "--all-targets", "--profile"])
         .arg(profile)
         .arg("--target-dir")
         .arg(target_dir)
@@ -45,7 +48,7 @@ pub fn example_bin(package: &str, bin: &str) -> PathBuf {
         .expect("running cargo build");
     assert!(
         out.status.success(),
-        "cargo build -p {package} --bin {bin} failed:\n{}",
+        "cargo build --workspace --all-targets (for {package}'s {bin}) failed:\n{}",
         String::from_utf8_lossy(&out.stderr)
     );
     println!("built {bin} in {:.1?}", started.elapsed());
