@@ -171,7 +171,13 @@ impl LaunchEnv {
                     return Err(invalid(
                         f.local_rank,
                         &local_rank.to_string(),
-                        &format!("a local rank below {}={local_world}", f.local_world),
+                        &match from_layout {
+                            Some(_) => format!(
+                                "a local rank below the {local_world} tasks Slurm placed on this \
+                                 node (SLURM_STEP_TASKS_PER_NODE, SLURM_NODEID)"
+                            ),
+                            None => format!("a local rank below {}={local_world}", f.local_world),
+                        },
                     ));
                 }
                 (rank, world_size, local_rank, local_world, f.source)

@@ -38,7 +38,13 @@ pub fn example_bin(package: &str, bin: &str) -> PathBuf {
     let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
     let started = Instant::now();
     let out = Command::new(cargo)
-        .args(["build", "--quiet", "--workspace", "--all-targets", "--profile"])
+        .args([
+            "build",
+            "--quiet",
+            "--workspace",
+            "--all-targets",
+            "--profile",
+        ])
         .arg(profile)
         .arg("--target-dir")
         .arg(target_dir)

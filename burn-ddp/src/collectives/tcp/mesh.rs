@@ -1,8 +1,8 @@
 //! Connects every pair of ranks once: each rank listens on an ephemeral port of the interface
 //! that reaches rank 0 (or of the interface named by `BURN_DDP_SOCKET_IFNAME`), publishes it
-//! through the store, connects to lower ranks and accepts
-//! higher ones. Each connection starts with a hello naming the rank and world size, followed by
-//! the job secret; both sides check the other's.
+//! through the store, connects to lower ranks and accepts higher ones. Each connection starts
+//! with a hello naming the rank and world size, followed by the job secret; both sides check
+//! the other's.
 
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
