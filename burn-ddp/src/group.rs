@@ -74,6 +74,7 @@ pub struct ProcessGroupBuilder {
     store_bind: Option<String>,
     secret: Option<JobSecret>,
     store_kind: StoreKind,
+    socket_ifname: Option<String>,
     options: GroupOptions,
 }
 
@@ -130,6 +131,12 @@ impl ProcessGroupBuilder {
     /// Rendezvous timeout.
     pub fn rendezvous_timeout(mut self, t: Duration) -> Self {
         self.options.rendezvous_timeout = t;
+        self
+    }
+    /// The network interface the data plane listens on and advertises, e.g. `"ib0"` (default:
+    /// the interface whose address reaches the store; `BURN_DDP_SOCKET_IFNAME` from the env).
+    pub fn socket_ifname(mut self, name: impl Into<String>) -> Self {
+        self.socket_ifname = Some(name.into());
         self
     }
     /// All options at once.
@@ -228,7 +235,8 @@ impl ProcessGroupBuilder {
         let secret = store.secret_for_group(self.secret)?;
         let (store, secret) = (Arc::new(store), secret.as_ref());
         let streams = if world_size > 1 {
-            mesh::connect(rank, world_size, &store, secret, deadline)?
+            let ifname = self.socket_ifname.as_deref();
+            mesh::connect(rank, world_size, &store, secret, ifname, deadline)?
         } else {
             vec![None]
         };
@@ -340,6 +348,7 @@ impl ProcessGroup {
             store_bind: None,
             secret: None,
             store_kind: StoreKind::default(),
+            socket_ifname: None,
             options: GroupOptions::default(),
         }
     }
@@ -376,6 +385,9 @@ impl ProcessGroup {
             b = b.host_store(false);
         }
         b = b.store_kind(env.store_kind.clone());
+        if let Some(name) = &env.socket_ifname {
+            b = b.socket_ifname(name.clone());
+        }
         b.build()
     }
 
