@@ -1,16 +1,16 @@
 //! burn-ddp's integration tests: real ranks over loopback TCP, as threads and as processes.
 
-mod c10d;
 mod bins;
+mod c10d;
 mod collectives;
 mod common;
 mod env;
 mod faults;
-mod output;
-mod preemption;
 mod flood;
 mod mpi;
 mod netif;
+mod output;
+mod preemption;
 mod processes;
 mod security;
 mod soak;

@@ -56,7 +56,10 @@ fn scratch(name: &str) -> std::path::PathBuf {
 #[test]
 fn in_a_pipe_every_rank_is_prefixed_and_the_filter_shows_only_its_ranks() {
     let out = run(&command_line(""));
-    assert!(out.contains("[rank 0] SUM_OK") && out.contains("[rank 1] SUM_OK"), "{out}");
+    assert!(
+        out.contains("[rank 0] SUM_OK") && out.contains("[rank 1] SUM_OK"),
+        "{out}"
+    );
     let out = run(&command_line("--local-ranks-filter 1"));
     assert!(out.contains("[rank 1] SUM_OK"), "{out}");
     assert!(!out.contains("[rank 0]"), "rank 0 is filtered out: {out}");
@@ -66,14 +69,27 @@ fn in_a_pipe_every_rank_is_prefixed_and_the_filter_shows_only_its_ranks() {
 fn log_dir_writes_one_file_per_rank_and_tee_also_shows_it() {
     let dir = scratch("logs");
     let out = run(&command_line(&format!("--log-dir {}", dir.display())));
-    assert!(!out.contains("SUM_OK"), "without --tee the output goes to files only: {out}");
+    assert!(
+        !out.contains("SUM_OK"),
+        "without --tee the output goes to files only: {out}"
+    );
     for r in 0..2 {
         let log = std::fs::read_to_string(dir.join(format!("rank-{r}.log"))).unwrap();
-        assert!(log.lines().any(|l| l.starts_with("SUM_OK")), "rank {r}: {log}");
+        assert!(
+            log.lines().any(|l| l.starts_with("SUM_OK")),
+            "rank {r}: {log}"
+        );
     }
     let out = run(&command_line(&format!("--log-dir {} --tee", dir.display())));
-    assert!(out.contains("[rank 0] SUM_OK") && out.contains("[rank 1] SUM_OK"), "{out}");
-    assert!(std::fs::read_to_string(dir.join("rank-1.log")).unwrap().contains("SUM_OK"));
+    assert!(
+        out.contains("[rank 0] SUM_OK") && out.contains("[rank 1] SUM_OK"),
+        "{out}"
+    );
+    assert!(
+        std::fs::read_to_string(dir.join("rank-1.log"))
+            .unwrap()
+            .contains("SUM_OK")
+    );
     let _ = std::fs::remove_dir_all(&dir);
 }
 
@@ -89,6 +105,9 @@ fn in_a_terminal_rank_0_has_it_unprefixed() {
         command_line("").replace('\'', "'\\''")
     ));
     let lines: Vec<&str> = out.lines().map(|l| l.trim_end_matches('\r')).collect();
-    assert!(lines.contains(&"SUM_OK 1"), "rank 0 writes to the terminal itself: {out}");
+    assert!(
+        lines.contains(&"SUM_OK 1"),
+        "rank 0 writes to the terminal itself: {out}"
+    );
     assert!(lines.contains(&"[rank 1] SUM_OK 1"), "{out}");
 }
