@@ -3,17 +3,31 @@
 //! Precedence: torchrun names (`RANK`, `WORLD_SIZE`, ...) when either `RANK` or `WORLD_SIZE` is
 //! set, else Slurm (`SLURM_PROCID`, `SLURM_NTASKS`, ...), else Open MPI
 //! (`OMPI_COMM_WORLD_RANK`, ...), else a world of size 1. `MASTER_ADDR` and `MASTER_PORT` are
-//! read in every case; `MASTER_PORT` defaults to 29500 as in PyTorch.
+//! read in every case; `MASTER_PORT` defaults to 29500 as in PyTorch. Under Slurm, unset
+//! `MASTER_ADDR`/`MASTER_PORT` and the local world size come from Slurm's own variables (see
+//! [`slurm`]).
+//!
+//! Under torchrun (`TORCHELASTIC_USE_AGENT_STORE=True`) torchrun's agent already serves a
+//! PyTorch c10d store at `MASTER_ADDR:MASTER_PORT`: no rank serves one, every rank joins that
+//! store as a client, under a key prefix of the attempt (see [`crate::elastic`]).
+
+pub mod slurm;
 
 use std::time::Duration;
 
+use crate::elastic;
 use crate::error::{DdpError, Result};
 use crate::secret::{JobSecret, SECRET_VAR};
+use crate::store::StoreKind;
 
 /// Set to `1` by a launcher that serves the store itself (rank 0 then does not).
 pub const AGENT_STORE_VAR: &str = "BURN_DDP_AGENT_STORE";
 /// Host the store listens on instead of `MASTER_ADDR`'s interface.
 pub const STORE_BIND_VAR: &str = "BURN_DDP_STORE_BIND";
+/// Network interface of the data plane (listened on and advertised to the peers).
+pub const SOCKET_IFNAME_VAR: &str = "BURN_DDP_SOCKET_IFNAME";
+/// Gloo's name for the same, read when [`SOCKET_IFNAME_VAR`] is unset.
+pub const GLOO_SOCKET_IFNAME_VAR: &str = "GLOO_SOCKET_IFNAME";
 
 /// Default rendezvous port, the same as PyTorch's.
 pub const DEFAULT_MASTER_PORT: u16 = 29500;
@@ -23,7 +37,9 @@ pub const DEFAULT_MASTER_PORT: u16 = 29500;
 pub enum EnvSource {
     /// `RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `LOCAL_WORLD_SIZE` (torchrun, `cargo xtask multi-cpu`).
     Torchrun,
-    /// `SLURM_PROCID`, `SLURM_NTASKS`, `SLURM_LOCALID`, `SLURM_NTASKS_PER_NODE`.
+    /// `SLURM_PROCID`, `SLURM_NTASKS`, `SLURM_LOCALID`; the local world size from
+    /// `SLURM_STEP_TASKS_PER_NODE` (or `SLURM_TASKS_PER_NODE`) and `SLURM_NODEID`, else
+    /// `SLURM_NTASKS_PER_NODE`.
     Slurm,
     /// `OMPI_COMM_WORLD_RANK`, `OMPI_COMM_WORLD_SIZE`, `OMPI_COMM_WORLD_LOCAL_RANK`, `..._LOCAL_SIZE`.
     OpenMpi,
@@ -42,7 +58,8 @@ pub struct LaunchEnv {
     pub local_rank: usize,
     /// Number of processes on this node.
     pub local_world_size: usize,
-    /// Host of rank 0's store; `None` for a world of size 1 without `MASTER_ADDR`.
+    /// Host of the store (rank 0's, or the launcher's); `None` for a world of size 1 without
+    /// `MASTER_ADDR`.
     pub master_addr: Option<String>,
     /// Port of rank 0's store.
     pub master_port: u16,
@@ -54,11 +71,21 @@ pub struct LaunchEnv {
     pub source: EnvSource,
     /// The job secret from `BURN_DDP_SECRET` (set by `burn-ddp-run`), if any.
     pub secret: Option<JobSecret>,
-    /// `BURN_DDP_AGENT_STORE=1`: the launcher serves the store, so rank 0 does not.
+    /// `BURN_DDP_AGENT_STORE=1` or `TORCHELASTIC_USE_AGENT_STORE=True`: the launcher serves
+    /// the store, so rank 0 does not.
     pub agent_store: bool,
+    /// The store to join: torchrun's c10d store under `TORCHELASTIC_USE_AGENT_STORE=True`,
+    /// with keys under the attempt's namespace; burn-ddp's own otherwise.
+    pub store_kind: StoreKind,
+    /// Which start of the job this is: `BURN_DDP_RESTART_COUNT`, else
+    /// `TORCHELASTIC_RESTART_COUNT`, else 0.
+    pub restart_count: usize,
     /// `BURN_DDP_STORE_BIND`: the host the store listens on, instead of `MASTER_ADDR`'s
     /// interface (for example `0.0.0.0`).
     pub store_bind: Option<String>,
+    /// `BURN_DDP_SOCKET_IFNAME` (else `GLOO_SOCKET_IFNAME`): the network interface the data
+    /// plane listens on and advertises.
+    pub socket_ifname: Option<String>,
 }
 
 /// Names of the four identity variables of one launcher family.
@@ -133,12 +160,21 @@ impl LaunchEnv {
                         &format!("a rank below {}={world_size}", f.world),
                     ));
                 }
-                let local_world = match get(f.local_world) {
+                let from_layout = match f.source {
+                    EnvSource::Slurm => slurm::local_world_size(&get)?,
+                    _ => None,
+                };
+                let local_world = match (from_layout, get(f.local_world)) {
+                    (Some(n), _) => Some(n),
                     // Slurm writes e.g. "2(x3)" for heterogeneous layouts: only a plain number
                     // is usable, anything else means "unknown".
-                    Some(v) if f.source == EnvSource::Slurm && v.parse::<usize>().is_err() => None,
-                    Some(v) => Some(parse_usize(f.local_world, &v)?),
-                    None => None,
+                    (None, Some(v))
+                        if f.source == EnvSource::Slurm && v.parse::<usize>().is_err() =>
+                    {
+                        None
+                    }
+                    (None, Some(v)) => Some(parse_usize(f.local_world, &v)?),
+                    (None, None) => None,
                 };
                 let local_rank = match get(f.local_rank) {
                     Some(v) => parse_usize(f.local_rank, &v)?,
@@ -149,29 +185,56 @@ impl LaunchEnv {
                     return Err(invalid(
                         f.local_rank,
                         &local_rank.to_string(),
-                        &format!("a local rank below {}={local_world}", f.local_world),
+                        &match from_layout {
+                            Some(_) => format!(
+                                "a local rank below the {local_world} tasks Slurm placed on this \
+                                 node (SLURM_STEP_TASKS_PER_NODE, SLURM_NODEID)"
+                            ),
+                            None => format!("a local rank below {}={local_world}", f.local_world),
+                        },
                     ));
                 }
                 (rank, world_size, local_rank, local_world, f.source)
             }
         };
 
-        let master_addr = get("MASTER_ADDR").map(|a| a.trim().to_string());
+        let slurm = source == EnvSource::Slurm && world_size > 1;
+        let master_addr = match get("MASTER_ADDR") {
+            Some(a) => Some(a.trim().to_string()),
+            None if slurm => slurm::master_addr(&get)?,
+            None => None,
+        };
         if world_size > 1 && master_addr.is_none() {
             return Err(DdpError::MissingEnv {
                 var: "MASTER_ADDR",
                 why: format!(
                     "the world size is {world_size}, so every rank needs the host of rank 0's \
-                     store (for example MASTER_ADDR=127.0.0.1 on one machine)"
+                     store (for example MASTER_ADDR=127.0.0.1 on one machine){}",
+                    if slurm {
+                        "; under Slurm it defaults to the first host of SLURM_STEP_NODELIST or \
+                         SLURM_JOB_NODELIST, and neither is set"
+                    } else {
+                        ""
+                    }
                 ),
             });
         }
         let master_port = match get("MASTER_PORT") {
+            None if slurm => slurm::master_port(&get)?.unwrap_or(DEFAULT_MASTER_PORT),
             None => DEFAULT_MASTER_PORT,
             Some(v) => match v.trim().parse::<u16>() {
                 Ok(p) if p > 0 => p,
                 _ => return Err(invalid("MASTER_PORT", &v, "a TCP port number in 1..=65535")),
             },
+        };
+        let restart_count = elastic::restart_count_from(get)?;
+        let torchrun_store = elastic::uses_agent_store(get)?;
+        let store_kind = if torchrun_store {
+            StoreKind::C10d {
+                namespace: elastic::store_namespace(restart_count),
+            }
+        } else {
+            StoreKind::BurnDdp
         };
         Ok(LaunchEnv {
             rank,
@@ -184,12 +247,18 @@ impl LaunchEnv {
             rendezvous_timeout: parse_seconds(&get, "BURN_DDP_RENDEZVOUS_TIMEOUT")?,
             source,
             secret: get(SECRET_VAR).map(JobSecret::new).transpose()?,
-            agent_store: match get(AGENT_STORE_VAR).as_deref().map(str::trim) {
-                None | Some("0") => false,
-                Some("1") => true,
-                Some(v) => return Err(invalid(AGENT_STORE_VAR, v, "0 or 1")),
-            },
+            agent_store: torchrun_store
+                || match get(AGENT_STORE_VAR).as_deref().map(str::trim) {
+                    None | Some("0") => false,
+                    Some("1") => true,
+                    Some(v) => return Err(invalid(AGENT_STORE_VAR, v, "0 or 1")),
+                },
+            store_kind,
+            restart_count,
             store_bind: get(STORE_BIND_VAR).map(|v| v.trim().to_string()),
+            socket_ifname: get(SOCKET_IFNAME_VAR)
+                .or_else(|| get(GLOO_SOCKET_IFNAME_VAR))
+                .map(|v| v.trim().to_string()),
         })
     }
 }

@@ -20,7 +20,7 @@ use crate::error::{DdpError, Result};
 use crate::failure::FailureRecord;
 use crate::secret::JobSecret;
 use crate::status::StatusBoard;
-use crate::store::{Store, StoreServer};
+use crate::store::{Store, StoreKind, StoreServer};
 
 mod init;
 pub use init::{init_process_group, init_process_group_with};
@@ -76,6 +76,8 @@ pub struct ProcessGroupBuilder {
     host_store: Option<bool>,
     store_bind: Option<String>,
     secret: Option<JobSecret>,
+    store_kind: StoreKind,
+    socket_ifname: Option<String>,
     options: GroupOptions,
 }
 
@@ -117,6 +119,13 @@ impl ProcessGroupBuilder {
         self.secret = Some(secret);
         self
     }
+    /// The kind of store to join (default burn-ddp's own). With [`StoreKind::C10d`] (torchrun's
+    /// agent store) no rank serves one, and without a [`secret`](Self::secret) the ranks agree
+    /// on one through the store before the data plane forms.
+    pub fn store_kind(mut self, kind: StoreKind) -> Self {
+        self.store_kind = kind;
+        self
+    }
     /// Collective timeout (time without progress).
     pub fn timeout(mut self, t: Duration) -> Self {
         self.options.timeout = t;
@@ -125,6 +134,12 @@ impl ProcessGroupBuilder {
     /// Rendezvous timeout.
     pub fn rendezvous_timeout(mut self, t: Duration) -> Self {
         self.options.rendezvous_timeout = t;
+        self
+    }
+    /// The network interface the data plane listens on and advertises, e.g. `"ib0"` (default:
+    /// the interface whose address reaches the store; `BURN_DDP_SOCKET_IFNAME` from the env).
+    pub fn socket_ifname(mut self, name: impl Into<String>) -> Self {
+        self.socket_ifname = Some(name.into());
         self
     }
     /// All options at once.
@@ -159,7 +174,8 @@ impl ProcessGroupBuilder {
                 "chunk_bytes must be at least 8 and the timeout positive".into(),
             ));
         }
-        let host_store = self.host_store.unwrap_or(rank == 0);
+        let c10d = matches!(self.store_kind, StoreKind::C10d { .. });
+        let host_store = self.host_store.unwrap_or(rank == 0 && !c10d);
         let deadline = Instant::now() + options.rendezvous_timeout;
 
         // A world of one needs no master: it serves itself on an ephemeral loopback port.
@@ -212,14 +228,18 @@ impl ProcessGroupBuilder {
             }
         };
 
-        let secret = self.secret.as_ref();
-        let store = Arc::new(Store::connect_with_secret(
-            &store_addr,
-            options.rendezvous_timeout,
-            secret,
-        )?);
+        let kind = if server.is_some() {
+            &StoreKind::BurnDdp
+        } else {
+            &self.store_kind
+        };
+        let timeout = options.rendezvous_timeout;
+        let store = Store::connect_kind(kind, &store_addr, timeout, self.secret.as_ref())?;
+        let secret = store.secret_for_group(self.secret)?;
+        let (store, secret) = (Arc::new(store), secret.as_ref());
         let streams = if world_size > 1 {
-            mesh::connect(rank, world_size, &store, secret, deadline)?
+            let ifname = self.socket_ifname.as_deref();
+            mesh::connect(rank, world_size, &store, secret, ifname, deadline)?
         } else {
             vec![None]
         };
@@ -324,13 +344,16 @@ impl ProcessGroup {
             host_store: None,
             store_bind: None,
             secret: None,
+            store_kind: StoreKind::default(),
+            socket_ifname: None,
             options: GroupOptions::default(),
         }
     }
 
-    /// Forms the group described by the process environment.
+    /// Forms the group described by the process environment. A failure is also written to
+    /// torchrun's error file, when there is one ([`crate::elastic::record_error`]).
     pub fn from_env() -> Result<Self> {
-        Self::from_launch_env(&LaunchEnv::from_env()?)
+        Self::from_env_with(GroupOptions::default())
     }
 
     /// Forms the group described by `env`.
@@ -365,6 +388,10 @@ impl ProcessGroup {
         }
         if env.agent_store {
             b = b.host_store(false);
+        }
+        b = b.store_kind(env.store_kind.clone());
+        if let Some(name) = &env.socket_ifname {
+            b = b.socket_ifname(name.clone());
         }
         b
     }
@@ -462,9 +489,18 @@ impl ProcessGroup {
             culprit: None,
             cause: reason.to_string(),
         };
-        self.submit(move |t| Ok(t.abort(record)))
+        let cause = self
+            .submit(move |t| Ok(t.abort(record)))
             .wait()
-            .unwrap_or_else(|e| e.to_string())
+            .unwrap_or_else(|e| e.to_string());
+        crate::elastic::record_error_with(|| {
+            format!(
+                "rank {}: stopped the group: {cause}; where the ranks were: {}",
+                self.rank,
+                self.status.report()
+            )
+        });
+        cause
     }
 
     /// The group's recorded failure, if any rank recorded one (read from the store).
@@ -487,6 +523,7 @@ impl Drop for ProcessGroup {
                     self.status.current()
                 ),
             };
+            crate::elastic::record_error(&record.cause);
             let _ = self.submit(move |t| Ok(t.abort(record)));
         }
         self.jobs.take();

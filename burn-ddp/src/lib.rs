@@ -6,7 +6,8 @@
 //!
 //! This crate holds the pieces that do not depend on a device:
 //! - [`env`](mod@env): who-am-I from torchrun, Slurm or Open MPI variables;
-//! - [`store`]: the rendezvous key-value store rank 0 serves;
+//! - [`store`]: the rendezvous key-value store rank 0 serves, or torchrun's c10d store;
+//! - [`elastic`]: torchrun's variables and its error file;
 //! - [`ProcessGroup`]: rendezvous plus collectives (`all_reduce`, `broadcast`, `all_gather`,
 //!   `barrier`), each started now and waited for later through [`Work`];
 //! - [`collectives`]: element types, reduction operators, and the TCP transport (a pipelined
@@ -31,6 +32,7 @@
 #[cfg(feature = "cli")]
 pub mod cli;
 pub mod collectives;
+pub mod elastic;
 pub mod env;
 mod error;
 pub mod failure;

@@ -5,10 +5,10 @@
 //! `bench-train --debug`). `soak` is left out: it runs `cargo test` itself, which builds the
 //! integration tests of burn-ddp a second time and runs for minutes.
 //!
-//! The programs are built once per run, in the dev profile, by the `cargo build` the xtask
-//! tasks run themselves (`--workspace --bins --examples`: the selection and features of
-//! `cargo test --workspace`, so after that command nothing new is compiled but the binaries
-//! cargo test does not link). A separate test binary, so that cargo runs it after, not beside,
+//! The programs are built once per run, in the dev profile and this test's target directory,
+//! by the `cargo build` the xtask tasks run themselves (`--workspace --bins --examples`: the
+//! feature unification of `cargo test --workspace`, so after that command nothing new is
+//! compiled but the binaries cargo test does not link). A separate test binary, so that cargo runs it after, not beside,
 //! the timing-sensitive integration tests of burn-ddp.
 
 use std::collections::HashMap;
@@ -31,11 +31,27 @@ fn workspace() -> &'static Path {
         .expect("xtask lies in the workspace")
 }
 
+/// The target directory of this test binary (`TARGET/<profile>/deps/smoke-<hash>`): the
+/// programs are built there too, whatever `--target-dir` cargo test was given.
+fn target_dir() -> PathBuf {
+    let exe = std::env::current_exe().expect("the test binary's path");
+    exe.ancestors()
+        .nth(3)
+        .expect("the test binary lies in TARGET/<profile>/deps")
+        .to_path_buf()
+}
+
 /// Every binary and example of the workspace, by name, built once.
 fn programs() -> &'static HashMap<String, PathBuf> {
     static BUILT: OnceLock<HashMap<String, PathBuf>> = OnceLock::new();
     BUILT.get_or_init(|| {
-        let built = build::build_all(&build::WORKSPACE_PROGRAMS, false)
+        let target = target_dir();
+        let mut selection = build::WORKSPACE_PROGRAMS.to_vec();
+        selection.extend([
+            "--target-dir",
+            target.to_str().expect("a UTF-8 target path"),
+        ]);
+        let built = build::build_all(&selection, false)
             .unwrap_or_else(|e| panic!("building the workspace's programs: {e:#}"));
         built.into_iter().map(|b| (b.name, b.path)).collect()
     })
@@ -54,7 +70,8 @@ fn xtask(args: &[&str]) -> Command {
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_xtask"));
     cmd.args(args)
         .current_dir(workspace())
-        .env("CARGO", build::cargo());
+        .env("CARGO", build::cargo())
+        .env("CARGO_TARGET_DIR", target_dir());
     cmd
 }
 

@@ -34,9 +34,12 @@ pub fn init_process_group_with(options: GroupOptions) -> Result<ProcessGroup> {
 impl ProcessGroup {
     /// Forms the group described by the process environment, with `options` under the
     /// environment's settings (see [`init_process_group_with`]). For more control, start
-    /// from [`ProcessGroup::builder_from_env`].
+    /// from [`ProcessGroup::builder_from_env`]. A failure is also written to torchrun's error
+    /// file, when there is one ([`crate::elastic::record_error`]).
     pub fn from_env_with(options: GroupOptions) -> Result<Self> {
-        Self::builder_from_env(&LaunchEnv::from_env()?, options).build()
+        let group =
+            LaunchEnv::from_env().and_then(|env| Self::builder_from_env(&env, options).build());
+        group.inspect_err(|e| crate::elastic::record_error(e))
     }
 }
 

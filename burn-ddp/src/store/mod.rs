@@ -1,37 +1,105 @@
-//! Rendezvous key-value store: rank 0 serves it at `MASTER_ADDR:MASTER_PORT`, every rank is a
-//! client. Ranks publish their data-plane addresses through it, agree on failures through it
-//! and (with the NCCL backend) pass the NCCL unique id through it, as with PyTorch's `TCPStore`.
+//! Rendezvous key-value store: rank 0 (or `burn-ddp-run`) serves burn-ddp's own store at
+//! `MASTER_ADDR:MASTER_PORT`, every rank is a client. Under torchrun the ranks instead join the
+//! PyTorch c10d `TCPStore` torchrun's agent serves there ([`StoreKind::C10d`]). Ranks publish
+//! their data-plane addresses through it, agree on failures through it and (with the NCCL
+//! backend) pass the NCCL unique id through it, as with PyTorch's `TCPStore`.
 
+mod c10d;
+mod native;
 mod protocol;
 mod server;
 
-use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream, ToSocketAddrs};
-use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 pub use server::StoreServer;
 
 use crate::error::{DdpError, Result};
 use crate::secret::JobSecret;
-use crate::wire::{read_frame, write_frame};
-use protocol::{HELLO, MAX_FRAME_LEN, Request, Response};
+use c10d::C10dClient;
+use native::NativeClient;
 
 /// Extra time a client waits for an answer beyond the wait it asked the server for.
 const ANSWER_MARGIN: Duration = Duration::from_secs(10);
 
-/// A client connection to a [`StoreServer`]. Safe to share between threads (requests are
-/// serialised on one connection).
+/// Store key of the job secret ranks agree on when the launcher gave them none (c10d only).
+pub const SECRET_KEY: &str = "bddp/secret";
+
+/// Which kind of store a process group joins.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub enum StoreKind {
+    /// burn-ddp's own store (served by rank 0 or `burn-ddp-run`), which checks the job secret.
+    #[default]
+    BurnDdp,
+    /// A PyTorch c10d `TCPStore`, such as the one torchrun's agent serves. Every key is put
+    /// under `namespace` (for example `burn_ddp/attempt_0/`), so that the keys of one attempt
+    /// of a job restarted by torchrun never meet those of another.
+    C10d {
+        /// Prefix of every key.
+        namespace: String,
+    },
+}
+
+enum Backend {
+    BurnDdp(NativeClient),
+    C10d(C10dClient),
+}
+
+/// A client connection to a store: a [`StoreServer`] or a PyTorch c10d `TCPStore`. Safe to
+/// share between threads (requests are serialised on one connection).
 pub struct Store {
     addr: String,
     local: SocketAddr,
-    conn: Mutex<Option<TcpStream>>,
     timeout: Duration,
+    namespace: String,
+    backend: Backend,
 }
 
 impl std::fmt::Debug for Store {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Store").field("addr", &self.addr).finish()
+        let kind = match self.backend {
+            Backend::BurnDdp(_) => "burn-ddp",
+            Backend::C10d(_) => "c10d",
+        };
+        f.debug_struct("Store")
+            .field("addr", &self.addr)
+            .field("kind", &kind)
+            .field("namespace", &self.namespace)
+            .finish()
+    }
+}
+
+/// Opens a TCP connection to `addr`, retrying until `timeout` passes, so clients may start
+/// before the server. `who` names the server in the error.
+fn dial(addr: &str, timeout: Duration, who: &str) -> Result<TcpStream> {
+    let deadline = Instant::now() + timeout;
+    let mut backoff = Duration::from_millis(20);
+    let mut last_error = String::from("no address resolved");
+    loop {
+        let now = Instant::now();
+        if now >= deadline {
+            return Err(DdpError::Store {
+                addr: addr.to_string(),
+                reason: format!(
+                    "not reachable within {timeout:?} (last error: {last_error}); is {who} \
+                     running, and are MASTER_ADDR/MASTER_PORT the same on every rank?"
+                ),
+            });
+        }
+        match addr.to_socket_addrs() {
+            Err(e) => last_error = format!("cannot resolve {addr}: {e}"),
+            Ok(candidates) => {
+                for sa in candidates {
+                    let budget = (deadline - now).min(Duration::from_secs(2));
+                    match TcpStream::connect_timeout(&sa, budget) {
+                        Ok(stream) => return Ok(stream),
+                        Err(e) => last_error = e.to_string(),
+                    }
+                }
+            }
+        }
+        std::thread::sleep(backoff.min(deadline.saturating_duration_since(Instant::now())));
+        backoff = (backoff * 2).min(Duration::from_millis(500));
     }
 }
 
@@ -48,83 +116,42 @@ impl Store {
         timeout: Duration,
         secret: Option<&JobSecret>,
     ) -> Result<Self> {
-        let start = Instant::now();
-        let deadline = start + timeout;
-        let mut backoff = Duration::from_millis(20);
-        let mut last_error = String::from("no address resolved");
-        loop {
-            let now = Instant::now();
-            if now >= deadline {
-                return Err(DdpError::Store {
-                    addr: addr.to_string(),
-                    reason: format!(
-                        "not reachable within {timeout:?} (last error: {last_error}); is rank 0 \
-                         running, and are MASTER_ADDR/MASTER_PORT the same on every rank?"
-                    ),
-                });
-            }
-            match addr.to_socket_addrs() {
-                Err(e) => last_error = format!("cannot resolve {addr}: {e}"),
-                Ok(candidates) => {
-                    for sa in candidates {
-                        let budget = (deadline - now).min(Duration::from_secs(2));
-                        match TcpStream::connect_timeout(&sa, budget) {
-                            Ok(stream) => return Self::handshake(addr, stream, timeout, secret),
-                            Err(e) => last_error = e.to_string(),
-                        }
-                    }
-                }
-            }
-            std::thread::sleep(backoff.min(deadline.saturating_duration_since(Instant::now())));
-            backoff = (backoff * 2).min(Duration::from_millis(500));
-        }
-    }
-
-    fn handshake(
-        addr: &str,
-        mut stream: TcpStream,
-        timeout: Duration,
-        secret: Option<&JobSecret>,
-    ) -> Result<Self> {
-        let fail = |reason: String| DdpError::Store {
-            addr: addr.to_string(),
-            reason,
-        };
-        let _ = stream.set_nodelay(true);
-        stream
-            .set_read_timeout(Some(timeout.min(Duration::from_secs(10))))
-            .map_err(|e| fail(e.to_string()))?;
-        stream
-            .write_all(HELLO)
-            .and_then(|_| write_frame(&mut stream, secret.map_or(&[][..], JobSecret::as_bytes)))
-            .map_err(|e| fail(format!("sending hello: {e}")))?;
-        let mut hello = vec![0u8; HELLO.len()];
-        stream.read_exact(&mut hello).map_err(|e| {
-            fail(format!(
-                "no burn-ddp store answered ({e}); is another program using this port?"
-            ))
-        })?;
-        if hello != HELLO {
-            return Err(fail(
-                "the server is not a burn-ddp store (bad hello); is another program using this port?"
-                    .into(),
-            ));
-        }
-        let verdict = read_frame(&mut stream, 4096)
-            .map_err(|e| fail(format!("the store did not answer the hello: {e}")))?;
-        if !verdict.is_empty() {
-            return Err(fail(format!(
-                "refused: {}",
-                String::from_utf8_lossy(&verdict)
-            )));
-        }
-        let local = stream.local_addr().map_err(|e| fail(e.to_string()))?;
+        let stream = dial(addr, timeout, "rank 0")?;
+        let (client, local) = NativeClient::handshake(addr, stream, timeout, secret)?;
         Ok(Store {
             addr: addr.to_string(),
             local,
-            conn: Mutex::new(Some(stream)),
             timeout,
+            namespace: String::new(),
+            backend: Backend::BurnDdp(client),
         })
+    }
+
+    /// Connects to a PyTorch c10d `TCPStore` at `addr` (torchrun's agent store), putting every
+    /// key under `namespace`. A Python `TCPStore` client reads key `k` as `namespace + k`.
+    pub fn connect_c10d(addr: &str, timeout: Duration, namespace: &str) -> Result<Self> {
+        let stream = dial(addr, timeout, "torchrun's agent store")?;
+        let (client, local) = C10dClient::handshake(addr, stream, timeout)?;
+        Ok(Store {
+            addr: addr.to_string(),
+            local,
+            timeout,
+            namespace: namespace.to_string(),
+            backend: Backend::C10d(client),
+        })
+    }
+
+    /// Connects to the store of `kind` at `addr`.
+    pub fn connect_kind(
+        kind: &StoreKind,
+        addr: &str,
+        timeout: Duration,
+        secret: Option<&JobSecret>,
+    ) -> Result<Self> {
+        match kind {
+            StoreKind::BurnDdp => Self::connect_with_secret(addr, timeout, secret),
+            StoreKind::C10d { namespace } => Self::connect_c10d(addr, timeout, namespace),
+        }
     }
 
     /// Address of the store, as given to [`Store::connect`].
@@ -132,7 +159,7 @@ impl Store {
         &self.addr
     }
 
-    /// This side's address of the connection: the local interface that reaches rank 0.
+    /// This side's address of the connection: the local interface that reaches the store.
     pub fn local_addr(&self) -> SocketAddr {
         self.local
     }
@@ -142,52 +169,21 @@ impl Store {
         self.timeout
     }
 
-    fn request(&self, req: &Request, wait: Duration) -> Result<Response> {
-        let mut guard = self.conn.lock().unwrap_or_else(|p| p.into_inner());
-        let Some(stream) = guard.as_mut() else {
-            return Err(self.error("the connection was lost earlier".into()));
-        };
-        let exchange = |stream: &mut TcpStream| -> std::result::Result<Response, String> {
-            stream
-                .set_read_timeout(Some(wait + ANSWER_MARGIN))
-                .map_err(|e| e.to_string())?;
-            write_frame(stream, &req.encode()).map_err(|e| e.to_string())?;
-            let body = read_frame(stream, MAX_FRAME_LEN).map_err(|e| e.to_string())?;
-            Response::decode(&body)
-        };
-        match exchange(stream) {
-            Ok(Response::Error(e)) => Err(self.error(format!("request refused: {e}"))),
-            Ok(r) => Ok(r),
-            Err(e) => {
-                // The stream may be mid-frame: never reuse it.
-                *guard = None;
-                Err(self.error(format!(
-                    "lost the connection ({e}); rank 0 hosts the store: did it exit?"
-                )))
-            }
-        }
+    /// The prefix of every key this client uses (empty for burn-ddp's own store).
+    pub fn namespace(&self) -> &str {
+        &self.namespace
     }
 
-    fn error(&self, reason: String) -> DdpError {
-        DdpError::Store {
-            addr: self.addr.clone(),
-            reason,
-        }
-    }
-
-    fn unexpected(&self, r: Response) -> DdpError {
-        self.error(format!("unexpected answer {r:?}"))
+    fn key(&self, key: &str) -> String {
+        format!("{}{key}", self.namespace)
     }
 
     /// Stores `value` under `key`.
     pub fn set(&self, key: &str, value: &[u8]) -> Result<()> {
-        let req = Request::Set {
-            key: key.into(),
-            value: value.into(),
-        };
-        match self.request(&req, Duration::ZERO)? {
-            Response::Ok => Ok(()),
-            r => Err(self.unexpected(r)),
+        let key = self.key(key);
+        match &self.backend {
+            Backend::BurnDdp(c) => c.set(&key, value),
+            Backend::C10d(c) => c.set(&key, value),
         }
     }
 
@@ -214,58 +210,54 @@ impl Store {
     }
 
     fn try_get_timeout(&self, key: &str, timeout: Duration) -> Result<Option<Vec<u8>>> {
-        let req = Request::Get {
-            key: key.into(),
-            timeout,
-        };
-        match self.request(&req, timeout)? {
-            Response::Value(v) => Ok(Some(v)),
-            Response::Timeout(_) => Ok(None),
-            r => Err(self.unexpected(r)),
+        let key = self.key(key);
+        match &self.backend {
+            Backend::BurnDdp(c) => c.get(&key, timeout),
+            Backend::C10d(c) => c.get(&key, timeout),
         }
     }
 
     /// Atomically adds `delta` to the integer under `key` (absent: 0) and returns the new value.
     pub fn add(&self, key: &str, delta: i64) -> Result<i64> {
-        let req = Request::Add {
-            key: key.into(),
-            delta,
-        };
-        match self.request(&req, Duration::ZERO)? {
-            Response::Int(i) => Ok(i),
-            r => Err(self.unexpected(r)),
+        let key = self.key(key);
+        match &self.backend {
+            Backend::BurnDdp(c) => c.add(&key, delta),
+            Backend::C10d(c) => c.add(&key, delta),
         }
     }
 
     /// Atomically sets `key` to `desired` if it holds `expected` (an absent key holds the empty
     /// value). Returns the value after the call: `desired` if this call won.
     pub fn compare_set(&self, key: &str, expected: &[u8], desired: &[u8]) -> Result<Vec<u8>> {
-        let req = Request::CompareSet {
-            key: key.into(),
-            expected: expected.into(),
-            desired: desired.into(),
-        };
-        match self.request(&req, Duration::ZERO)? {
-            Response::Value(v) => Ok(v),
-            r => Err(self.unexpected(r)),
+        let key = self.key(key);
+        match &self.backend {
+            Backend::BurnDdp(c) => c.compare_set(&key, expected, desired),
+            Backend::C10d(c) => c.compare_set(&key, expected, desired),
         }
     }
 
     /// Waits until every key is set; the error lists the keys still missing.
     pub fn wait(&self, keys: &[String], timeout: Duration) -> Result<()> {
-        let req = Request::Wait {
-            keys: keys.to_vec(),
-            timeout,
-        };
-        match self.request(&req, timeout)? {
-            Response::Ok => Ok(()),
-            Response::Timeout(missing) => Err(DdpError::StoreTimeout {
-                addr: self.addr.clone(),
-                timeout,
-                what: format!("keys {missing:?}"),
-            }),
-            r => Err(self.unexpected(r)),
+        if keys.is_empty() {
+            return Ok(());
         }
+        let full: Vec<String> = keys.iter().map(|k| self.key(k)).collect();
+        let missing = match &self.backend {
+            Backend::BurnDdp(c) => c.wait(&full, timeout)?,
+            Backend::C10d(c) => c.wait(&full, timeout)?,
+        };
+        if missing.is_empty() {
+            return Ok(());
+        }
+        let missing: Vec<&str> = missing
+            .iter()
+            .map(|k| k.strip_prefix(&self.namespace).unwrap_or(k))
+            .collect();
+        Err(DdpError::StoreTimeout {
+            addr: self.addr.clone(),
+            timeout,
+            what: format!("keys {missing:?}"),
+        })
     }
 
     /// Blocks until `world_size` callers have entered the barrier `name`, or `timeout` passes;
@@ -288,5 +280,29 @@ impl Store {
                 }
                 other => other,
             })
+    }
+
+    /// The secret of a group joining through this store: `given` if any; else, on a c10d
+    /// store (which cannot check one), a secret the ranks agree on through it
+    /// ([`Store::agree_on_secret`]); else none.
+    pub(crate) fn secret_for_group(&self, given: Option<JobSecret>) -> Result<Option<JobSecret>> {
+        match (given, &self.backend) {
+            (Some(s), _) => Ok(Some(s)),
+            (None, Backend::C10d(_)) => self.agree_on_secret().map(Some),
+            (None, Backend::BurnDdp(_)) => Ok(None),
+        }
+    }
+
+    /// The job secret every rank of a group agrees on through this store: each proposes a
+    /// fresh one with [`Store::compare_set`], the first proposal wins and every rank reads it.
+    /// For stores that cannot check a secret themselves (c10d), so that the data plane still
+    /// admits only processes that reached the store.
+    pub fn agree_on_secret(&self) -> Result<JobSecret> {
+        let proposal = JobSecret::generate()?;
+        let agreed = self.compare_set(SECRET_KEY, b"", proposal.as_bytes())?;
+        JobSecret::new(agreed).map_err(|e| DdpError::Store {
+            addr: self.addr.clone(),
+            reason: format!("the store holds an unusable job secret under {SECRET_KEY:?}: {e}"),
+        })
     }
 }

@@ -1,7 +1,16 @@
 //! The store server rank 0 hosts: a thread per client, one map, a condition variable for waits.
+//!
+//! Connections that are not yet admitted (hello and job secret not yet received) are bounded
+//! in time and number: each gets [`StoreServer::HELLO_TIMEOUT`] in all, however slowly it
+//! sends, and at most [`StoreServer::MAX_PENDING`] wait at once; a newer one closes the oldest.
+//! Evicting the oldest rather than refusing the newest keeps the store open to real ranks
+//! during a flood of silent connections (a port scan, a stray client): a rank sends its hello
+//! as soon as it is connected, so it is evicted only if `MAX_PENDING` newer connections arrive
+//! before the server has read it, whereas refusing the newest would shut ranks out for as
+//! long as the flood lasts.
 
-use std::collections::HashMap;
-use std::io::{Read, Write};
+use std::collections::{HashMap, VecDeque};
+use std::io::{self, Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
@@ -13,8 +22,8 @@ use crate::error::{DdpError, Result};
 use crate::secret::{JobSecret, MAX_SECRET_LEN, admits};
 use crate::wire::{FrameError, read_frame, write_frame};
 
-/// How long a new client has to send its hello.
-const HELLO_TIMEOUT: Duration = Duration::from_secs(10);
+const HELLO_TIMEOUT: Duration = StoreServer::HELLO_TIMEOUT;
+const MAX_PENDING: usize = StoreServer::MAX_PENDING;
 
 /// A running key-value store, as PyTorch's `TCPStore` server. Stops when dropped.
 ///
@@ -37,11 +46,61 @@ struct Shared {
     map: Mutex<HashMap<String, Vec<u8>>>,
     changed: Condvar,
     shutdown: AtomicBool,
-    clients: Mutex<Vec<TcpStream>>,
+    conns: Mutex<Conns>,
     secret: Option<JobSecret>,
+    /// Set once the pending bound was first reached (warned about once).
+    flooded: AtomicBool,
+}
+
+/// The open connections (a clone of each, to close it from outside its thread) and which of
+/// them are not yet admitted, oldest first.
+#[derive(Default)]
+struct Conns {
+    next: u64,
+    open: HashMap<u64, TcpStream>,
+    pending: VecDeque<u64>,
+}
+
+impl Conns {
+    /// Registers a new connection as pending; closes the oldest pending ones beyond the bound
+    /// and returns how many it closed.
+    fn add(&mut self, stream: &TcpStream) -> (u64, usize) {
+        let id = self.next;
+        self.next += 1;
+        if let Ok(clone) = stream.try_clone() {
+            self.open.insert(id, clone);
+        }
+        self.pending.push_back(id);
+        let mut evicted = 0;
+        while self.pending.len() > MAX_PENDING {
+            if let Some(old) = self.pending.pop_front()
+                && let Some(s) = self.open.get(&old)
+            {
+                let _ = s.shutdown(std::net::Shutdown::Both);
+                evicted += 1;
+            }
+        }
+        (id, evicted)
+    }
+
+    /// Marks `id` admitted; `false` when it was closed as the oldest pending one meanwhile.
+    fn admitted(&mut self, id: u64) -> bool {
+        let before = self.pending.len();
+        self.pending.retain(|p| *p != id);
+        self.pending.len() < before
+    }
+
+    fn closed(&mut self, id: u64) {
+        self.pending.retain(|p| *p != id);
+        self.open.remove(&id);
+    }
 }
 
 impl Shared {
+    fn conns(&self) -> MutexGuard<'_, Conns> {
+        self.conns.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
     fn map(&self) -> MutexGuard<'_, HashMap<String, Vec<u8>>> {
         // A handler thread that panicked cannot leave the map half-written (every update is a
         // single insert), so a poisoned lock is still usable.
@@ -74,6 +133,11 @@ impl Shared {
 }
 
 impl StoreServer {
+    /// How long a new connection has to send its hello and secret, in all, however slowly.
+    pub const HELLO_TIMEOUT: Duration = Duration::from_secs(3);
+    /// Most connections waiting to be admitted at once; a newer one closes the oldest.
+    pub const MAX_PENDING: usize = 64;
+
     /// Listens on `addr` (use port 0 for an ephemeral port) and serves every client.
     pub fn bind(addr: impl ToSocketAddrs + std::fmt::Debug) -> Result<Self> {
         Self::bind_with_secret(addr, None)
@@ -104,8 +168,9 @@ impl StoreServer {
             map: Mutex::new(HashMap::new()),
             changed: Condvar::new(),
             shutdown: AtomicBool::new(false),
-            clients: Mutex::new(Vec::new()),
+            conns: Mutex::new(Conns::default()),
             secret,
+            flooded: AtomicBool::new(false),
         });
         let accept_shared = shared.clone();
         let accept = std::thread::Builder::new()
@@ -136,13 +201,7 @@ impl Drop for StoreServer {
     fn drop(&mut self) {
         self.shared.shutdown.store(true, Ordering::Release);
         self.shared.changed.notify_all();
-        for client in self
-            .shared
-            .clients
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .drain(..)
-        {
+        for (_, client) in self.shared.conns().open.drain() {
             let _ = client.shutdown(std::net::Shutdown::Both);
         }
         // Wake the accept loop with a connection of our own.
@@ -170,53 +229,109 @@ fn accept_loop(listener: TcpListener, shared: Arc<Shared>) {
                 continue;
             }
         };
-        if let Ok(clone) = stream.try_clone() {
-            let mut clients = shared.clients.lock().unwrap_or_else(|p| p.into_inner());
-            clients.retain(|c| c.peer_addr().is_ok());
-            clients.push(clone);
+        let (id, evicted) = shared.conns().add(&stream);
+        if evicted > 0 && !shared.flooded.swap(true, Ordering::Relaxed) {
+            log::warn!(
+                "store: more than {MAX_PENDING} connections have not sent a hello; closing the \
+                 oldest (is something other than this job's ranks connecting to the store?)"
+            );
         }
-        let shared = shared.clone();
+        let worker = shared.clone();
         let spawned = std::thread::Builder::new()
             .name("burn-ddp-store-client".into())
             .spawn(move || {
+                let shared = worker;
                 let peer = stream
                     .peer_addr()
                     .map_or_else(|_| "?".to_string(), |a| a.to_string());
-                if let Err(e) = serve_client(stream, &shared) {
-                    log::warn!("store: client {peer} dropped: {e}");
+                match admit(&stream, &shared, id) {
+                    Err(e) => log::debug!("store: connection from {peer} not admitted: {e}"),
+                    Ok(()) => {
+                        if let Err(e) = serve_client(&stream, &shared) {
+                            log::warn!("store: client {peer} dropped: {e}");
+                        }
+                    }
                 }
+                shared.conns().closed(id);
+                let _ = stream.shutdown(std::net::Shutdown::Both);
             });
         if let Err(e) = spawned {
             log::warn!("store: cannot start a client thread: {e}");
+            shared.conns().closed(id);
         }
     }
 }
 
-fn serve_client(mut stream: TcpStream, shared: &Shared) -> std::result::Result<(), String> {
+/// Reads from a stream until a deadline, however slowly the sender trickles bytes.
+struct Before<'a> {
+    stream: &'a TcpStream,
+    deadline: Instant,
+}
+
+impl Read for Before<'_> {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        let left = self.deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(io::Error::new(
+                io::ErrorKind::TimedOut,
+                format!("no complete hello within {HELLO_TIMEOUT:?}"),
+            ));
+        }
+        self.stream.set_read_timeout(Some(left))?;
+        let mut stream = self.stream;
+        stream.read(buf)
+    }
+}
+
+/// Reads the client's hello and secret within [`HELLO_TIMEOUT`] and answers; `Ok` when the
+/// client (connection `id`) is admitted.
+fn admit(stream: &TcpStream, shared: &Shared, id: u64) -> std::result::Result<(), String> {
     let _ = stream.set_nodelay(true);
-    stream
-        .set_read_timeout(Some(HELLO_TIMEOUT))
+    let mut out = stream;
+    out.set_write_timeout(Some(HELLO_TIMEOUT))
         .map_err(|e| e.to_string())?;
+    let mut input = Before {
+        stream,
+        deadline: Instant::now() + HELLO_TIMEOUT,
+    };
     let mut hello = vec![0u8; HELLO.len()];
-    stream
+    input
         .read_exact(&mut hello)
         .map_err(|e| format!("no hello: {e}"))?;
     if hello != HELLO {
         return Err("not a burn-ddp store client (bad hello)".into());
     }
     let presented =
-        read_frame(&mut stream, MAX_SECRET_LEN).map_err(|e| format!("no secret: {e}"))?;
-    stream.write_all(HELLO).map_err(|e| e.to_string())?;
+        read_frame(&mut input, MAX_SECRET_LEN).map_err(|e| format!("no secret: {e}"))?;
+    out.write_all(HELLO).map_err(|e| e.to_string())?;
     if !admits(shared.secret.as_ref(), &presented) {
         let _ = write_frame(
-            &mut stream,
+            &mut out,
             b"this process does not present the job secret (BURN_DDP_SECRET) of this job",
         );
+        let peer = stream
+            .peer_addr()
+            .map(|a| a.to_string())
+            .unwrap_or_default();
+        log::warn!("store: refused a client without the job secret from {peer}");
         return Err("refused a client without the job secret".into());
     }
-    write_frame(&mut stream, b"").map_err(|e| e.to_string())?;
+    if !shared.conns().admitted(id) {
+        return Err(format!(
+            "closed as one of more than {MAX_PENDING} pending connections"
+        ));
+    }
+    write_frame(&mut out, b"").map_err(|e| e.to_string())?;
     // Clients may stay idle for a whole training run.
-    stream.set_read_timeout(None).map_err(|e| e.to_string())?;
+    stream
+        .set_read_timeout(None)
+        .and_then(|_| stream.set_write_timeout(None))
+        .map_err(|e| e.to_string())
+}
+
+/// Answers an admitted client's requests until it closes the connection.
+fn serve_client(stream: &TcpStream, shared: &Shared) -> std::result::Result<(), String> {
+    let mut stream = stream;
     loop {
         let body = match read_frame(&mut stream, MAX_FRAME_LEN) {
             Ok(b) => b,

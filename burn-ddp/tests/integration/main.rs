@@ -1,13 +1,19 @@
 //! burn-ddp's integration tests: real ranks over loopback TCP, as threads and as processes.
 
+mod bins;
+mod c10d;
 mod collectives;
 mod common;
 mod env;
 mod faults;
+mod flood;
+mod mpi;
+mod netif;
 mod output;
 mod preemption;
 mod processes;
 mod security;
 mod soak;
 mod store;
+mod torchrun;
 mod train;

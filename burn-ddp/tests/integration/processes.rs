@@ -84,7 +84,7 @@ fn rank_process() {
         }
         // Rank 1 fails on the job's first start only.
         "fail_first_start" => {
-            if rank == 1 && std::env::var("BURN_DDP_RESTART_COUNT").as_deref() == Ok("0") {
+            if rank == 1 && burn_ddp::elastic::restart_count() == 0 {
                 std::process::exit(7);
             }
             if let Err(e) = group.barrier().wait() {

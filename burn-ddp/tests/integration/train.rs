@@ -95,7 +95,7 @@ static DIE_AT_FORWARD: OnceLock<Option<usize>> = OnceLock::new();
 fn die_at_forward() -> Option<usize> {
     let var = |k: &str| std::env::var(k).ok();
     let this_rank = var("BDDP_DIE_RANK").is_none_or(|r| var("RANK") == Some(r));
-    let first_start = var("BURN_DDP_RESTART_COUNT").is_none_or(|c| c == "0");
+    let first_start = burn_ddp::elastic::restart_count() == 0;
     (this_rank && first_start)
         .then(|| var("BDDP_DIE_AT_FORWARD")?.parse().ok())
         .flatten()

@@ -19,6 +19,11 @@ struct Cli {}
 fn main() -> anyhow::Result<()> {
     Cli::parse();
     env_logger::Builder::from_env(env_logger::Env::default().default_filter_or("warn")).init();
+    // Under torchrun, the error goes to its error file too (its "Root Cause" report).
+    run().inspect_err(|e| burn_ddp::elastic::record_error(&format_args!("{e:#}")))
+}
+
+fn run() -> anyhow::Result<()> {
     let group = init_process_group().context("forming the process group")?;
     let (rank, world) = (group.rank(), group.world_size());
     let sum = group

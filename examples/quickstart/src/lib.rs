@@ -458,8 +458,9 @@ pub fn run(group: Arc<ProcessGroup>, cfg: &Config) -> Result<Report> {
     })
 }
 
-/// Ends a binary: prints the error with its causes and exits with its code (128 + the signal
-/// for a stop by signal, see `burn_ddp::signals`; 1 for other errors).
+/// Ends a binary: prints the error with its causes (also into torchrun's error file) and exits
+/// with its code (128 + the signal for a stop by signal, see `burn_ddp::signals`; 1 for other
+/// errors).
 pub fn exit(result: Result<()>) -> std::process::ExitCode {
     match result {
         Ok(()) => std::process::ExitCode::SUCCESS,
@@ -468,6 +469,8 @@ pub fn exit(result: Result<()>) -> std::process::ExitCode {
                 .chain()
                 .find_map(|c| c.downcast_ref::<burn_ddp::DdpError>())
                 .map_or(1, burn_ddp::DdpError::exit_code);
+            // Under torchrun, the error goes to its error file too (its "Root Cause" report).
+            burn_ddp::elastic::record_error(&format_args!("{e:#}"));
             if code == 1 {
                 eprintln!("Error: {e:#}");
             } else {

@@ -1,7 +1,8 @@
 //! Connects every pair of ranks once: each rank listens on an ephemeral port of the interface
-//! that reaches rank 0, publishes it through the store, connects to lower ranks and accepts
-//! higher ones. Each connection starts with a hello naming the rank and world size, followed by
-//! the job secret; both sides check the other's.
+//! that reaches rank 0 (or of the interface named by `BURN_DDP_SOCKET_IFNAME`), publishes it
+//! through the store, connects to lower ranks and accepts higher ones. Each connection starts
+//! with a hello naming the rank and world size, followed by the job secret; both sides check
+//! the other's.
 
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
@@ -11,6 +12,8 @@ use crate::error::{DdpError, Result};
 use crate::secret::{JobSecret, MAX_SECRET_LEN, admits};
 use crate::store::Store;
 use crate::wire::{Reader, Writer, read_frame, write_frame};
+
+mod iface;
 
 const HELLO_MAGIC: &[u8; 8] = b"BDDPMESH";
 const HELLO_LEN: usize = 16;
@@ -85,15 +88,21 @@ fn claim_rank(rank: usize, world: usize, store: &Store) -> Result<()> {
 }
 
 /// Returns one connected stream per peer (`None` at `rank`), ready for the data plane.
+/// `ifname` names the network interface to listen on and advertise (default: the one whose
+/// address reaches the store).
 pub(crate) fn connect(
     rank: usize,
     world: usize,
     store: &Store,
     secret: Option<&JobSecret>,
+    ifname: Option<&str>,
     deadline: Instant,
 ) -> Result<Vec<Option<TcpStream>>> {
     let fail = |reason: String| DdpError::Rendezvous { rank, reason };
-    let ip = store.local_addr().ip();
+    let ip = match ifname {
+        Some(name) => iface::interface_addr(name, store.local_addr().ip())?,
+        None => store.local_addr().ip(),
+    };
     claim_rank(rank, world, store)?;
     let listener = TcpListener::bind((ip, 0)).map_err(|source| DdpError::Bind {
         addr: format!("{ip}:0"),

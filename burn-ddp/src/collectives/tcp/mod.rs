@@ -476,12 +476,14 @@ impl TcpTransport {
         });
         let ranks = self.status.report();
         log::error!("rank {}: {op} failed: {cause}; ranks: {ranks}", self.rank);
-        DdpError::Collective {
+        let error = DdpError::Collective {
             rank: self.rank,
             op: op.to_string(),
             cause,
             ranks,
-        }
+        };
+        crate::elastic::record_error(&error);
+        error
     }
 
     /// Stops the group on this rank for a failure found above the transport (a desync, a

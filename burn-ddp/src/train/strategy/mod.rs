@@ -5,23 +5,26 @@
 
 use std::sync::{Arc, Mutex};
 
-use burn::data::dataloader::{DataLoader, Progress};
+use burn::data::dataloader::Progress;
 use burn::optim::GradientsAccumulator;
-use burn::optim::lr_scheduler::module_lr_scheduler::ModuleLearningRate;
 use burn::tensor::Device;
 use burn::train::metric::store::EventStoreClient;
 use burn::train::{
-    CloneEarlyStoppingStrategy, EventProcessorError, EventProcessorTraining, InferenceStep,
-    Interrupter, Learner, LearnerEvent, LearnerModel, LearningCheckpointer, LearningResult,
-    SupervisedLearningStrategy, SupervisedTrainingEventProcessor, TrainLoader, TrainStep,
-    TrainingComponents, TrainingItem, ValidLoader,
+    CloneEarlyStoppingStrategy, EventProcessorTraining, InferenceStep, Interrupter, Learner,
+    LearnerEvent, LearnerModel, LearningCheckpointer, LearningResult, SupervisedLearningStrategy,
+    SupervisedTrainingEventProcessor, TrainLoader, TrainStep, TrainingComponents, ValidLoader,
 };
 
-use super::checkpoint::{self, CheckpointConfig, Position, Snapshot};
-use super::gather::{GlobalItem, PendingItem};
+mod split;
+mod state;
+
+use split::SplitEnd;
+
+use super::checkpoint::{CheckpointConfig, Position};
+use super::gather::GlobalItem;
 use super::reducer::GradientReducer;
 use super::sampler::DistributedSampler;
-use super::stop::{StepVote, Stop, Voters};
+use super::stop::Stop;
 use crate::ProcessGroup;
 use crate::error::{DdpError, Result};
 use crate::signals::StopSignals;
@@ -37,37 +40,6 @@ pub(crate) struct DdpStrategy {
     pub checkpoints: Option<CheckpointConfig>,
     pub failure: Arc<Mutex<Option<DdpError>>>,
     pub signals: StopSignals,
-}
-
-/// A step's output on its way to rank 0's event processor.
-struct Report<T> {
-    item: PendingItem<T>,
-    progress: Progress,
-    iteration: usize,
-    lr: Option<ModuleLearningRate>,
-}
-
-/// How a split ended.
-struct SplitEnd {
-    /// What the ranks agreed at its end (or when they stopped it early).
-    stop: Stop,
-    /// The last iteration done.
-    iteration: usize,
-    /// This rank's progress after it.
-    progress: Option<Progress>,
-}
-
-/// What one step produced: its output, the learning rate used, and whether the ranks may stop
-/// after it (false inside a gradient accumulation).
-type StepOutput<T> = (T, Option<ModuleLearningRate>, bool);
-
-/// Scales a rank's progress to the whole job (all ranks process as many items).
-fn global(progress: Progress, world: usize) -> Progress {
-    Progress {
-        items_processed: progress.items_processed * world,
-        items_total: progress.items_total * world,
-        unit: progress.unit,
-    }
 }
 
 impl DdpStrategy {
@@ -87,83 +59,6 @@ impl DdpStrategy {
         }
         let mut slot = self.failure.lock().unwrap_or_else(|p| p.into_inner());
         slot.get_or_insert(error);
-    }
-
-    fn voters<'a>(&'a self, interrupter: &'a Interrupter) -> Voters<'a> {
-        Voters {
-            group: &self.group,
-            interrupter,
-            signals: &self.signals,
-        }
-    }
-
-    /// Runs one split: `step` turns a batch into its output (and the learning rate used); each
-    /// output is gathered to rank 0 while the next step computes, then handed to `process`.
-    /// After each step where stopping is possible the ranks vote (pipelined, see
-    /// [`StepVote`]); the split ends early when they agree to stop.
-    fn run_split<I, T: GlobalItem>(
-        &self,
-        loader: &Arc<dyn DataLoader<I>>,
-        device: &Device,
-        first_iteration: usize,
-        mut step: impl FnMut(I, &Progress, usize) -> Result<StepOutput<T>>,
-        mut process: impl FnMut(LearnerEvent<T>) -> std::result::Result<(), EventProcessorError>,
-        interrupter: &Interrupter,
-    ) -> Result<SplitEnd> {
-        let world = self.group.world_size();
-        let mut iterator = loader.iter();
-        let mut iteration = first_iteration;
-        let mut pending: Option<Report<T>> = None;
-        let status = self.group.status();
-        let voters = self.voters(interrupter);
-        let mut vote = StepVote::default();
-        let mut last_progress = None;
-        let mut stop = Stop::Continue;
-        loop {
-            status.activity(Some("loading a batch".into()));
-            let Some(item) = iterator.next() else {
-                status.activity(None);
-                break;
-            };
-            status.activity(None);
-            // A rank cannot skip a batch alone: its error ends training here, and the other
-            // ranks learn of it from the collectives.
-            let item = item.map_err(|e| DdpError::Data {
-                rank: self.group.rank(),
-                reason: e.to_string(),
-            })?;
-            iteration += 1;
-            status.step(iteration);
-            let progress = iterator.progress();
-            let (output, lr, boundary) = step(item, &progress, iteration)?;
-            let report = Report {
-                item: PendingItem::start(output, &self.group)?,
-                progress: global(progress.clone(), world),
-                iteration,
-                lr,
-            };
-            last_progress = Some(progress);
-            if let Some(previous) = pending.replace(report) {
-                self.report(previous, device, &mut process, interrupter)?;
-            }
-            if boundary {
-                stop = vote.boundary(&voters)?;
-                if stop.stops() {
-                    break;
-                }
-            }
-        }
-        if let Some(last) = pending {
-            self.report(last, device, &mut process, interrupter)?;
-        }
-        if !stop.stops() {
-            stop = vote.finish(&voters)?;
-        }
-        Ok(SplitEnd {
-            stop,
-            iteration,
-            progress: last_progress,
-        })
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -254,118 +149,6 @@ impl DdpStrategy {
             process,
             interrupter,
         )
-    }
-
-    /// Writes a checkpoint (rank 0) at `at`; every rank learns whether it worked.
-    fn checkpoint<M: LearnerModel>(
-        &self,
-        learner: &Learner<M>,
-        at: Position,
-        events: &EventStoreClient,
-    ) -> Result<()> {
-        let Some(config) = &self.checkpoints else {
-            return Ok(());
-        };
-        let status = self.group.status();
-        let phase = status.current().phase;
-        status.enter(Phase::Checkpointing, Some(at.epoch));
-        if at.batches > 0 {
-            status.step(at.batches);
-        }
-        let timeout = self.group.options().timeout;
-        let snapshot = self
-            .is_main()
-            .then(|| Snapshot::take(learner, at, events, timeout));
-        checkpoint::save(&self.group, config, snapshot)?;
-        status.enter(phase, Some(at.epoch));
-        Ok(())
-    }
-
-    /// After the ranks agreed to stop for `signal`: the checkpoint at `at` (if configured), and
-    /// the error that ends training (or the checkpoint's failure).
-    fn stopped<M: LearnerModel>(
-        &self,
-        learner: &Learner<M>,
-        at: Position,
-        signal: i32,
-        events: &EventStoreClient,
-    ) -> DdpError {
-        match self.checkpoint(learner, at, events) {
-            Ok(()) => {
-                let path = self.checkpoints.as_ref().map(|c| c.path());
-                self.stopped_error(at, signal, path)
-            }
-            Err(e) => e,
-        }
-    }
-
-    fn stopped_error(
-        &self,
-        at: Position,
-        signal: i32,
-        checkpoint: Option<std::path::PathBuf>,
-    ) -> DdpError {
-        self.group.status().enter(Phase::Finished, None);
-        DdpError::Stopped {
-            rank: self.group.rank(),
-            signal,
-            epoch: at.epoch,
-            step: at.batches,
-            checkpoint,
-        }
-    }
-
-    /// Loads the checkpoint, if configured and present: where to continue from.
-    fn resume<M: LearnerModel>(&self, learner: &mut Learner<M>) -> Result<Option<Position>> {
-        let Some(config) = &self.checkpoints else {
-            return Ok(None);
-        };
-        self.group.status().enter(Phase::Resuming, None);
-        let Some(snapshot) = checkpoint::load(&self.group, config)? else {
-            return Ok(None);
-        };
-        snapshot
-            .restore(learner)
-            .map_err(|reason| DdpError::Checkpoint {
-                rank: self.group.rank(),
-                reason,
-            })?;
-        let p = snapshot.position;
-        if self.is_main() {
-            log::info!(
-                "resuming from {}: epoch {}, after {} batches ({} samples) written by {} ranks",
-                config.path().display(),
-                p.epoch,
-                p.batches,
-                p.samples,
-                p.world_size
-            );
-            if p.world_size != self.group.world_size() {
-                log::warn!(
-                    "the checkpoint was written by {} ranks, this job has {}: epoch {} continues \
-                     with the samples not seen yet, and the global batch changes",
-                    p.world_size,
-                    self.group.world_size(),
-                    p.epoch
-                );
-            }
-        }
-        Ok(Some(p))
-    }
-
-    /// Completes a step's gather and, on rank 0, hands the global output to burn-train.
-    fn report<T: GlobalItem>(
-        &self,
-        report: Report<T>,
-        device: &Device,
-        process: &mut impl FnMut(LearnerEvent<T>) -> std::result::Result<(), EventProcessorError>,
-        interrupter: &Interrupter,
-    ) -> Result<()> {
-        if let Some(item) = report.item.finish(self.group.rank(), device)? {
-            let event = TrainingItem::new(item, report.progress, Some(report.iteration), report.lr);
-            interrupter.fail_on_error(process(LearnerEvent::ProcessedItem(event)));
-        }
-        Ok(())
     }
 
     fn run<M>(

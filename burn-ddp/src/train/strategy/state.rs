@@ -1,0 +1,112 @@
+//! The training state on disk: checkpoints written (by rank 0, agreed by all), the resume at
+//! start, and the checkpoint and error of a stop by signal.
+
+use burn::train::metric::store::EventStoreClient;
+use burn::train::{Learner, LearnerModel};
+
+use super::DdpStrategy;
+use crate::error::{DdpError, Result};
+use crate::status::Phase;
+use crate::train::checkpoint::{self, Position, Snapshot};
+
+impl DdpStrategy {
+    /// Writes a checkpoint (rank 0) at `at`; every rank learns whether it worked.
+    pub(super) fn checkpoint<M: LearnerModel>(
+        &self,
+        learner: &Learner<M>,
+        at: Position,
+        events: &EventStoreClient,
+    ) -> Result<()> {
+        let Some(config) = &self.checkpoints else {
+            return Ok(());
+        };
+        let status = self.group.status();
+        let phase = status.current().phase;
+        status.enter(Phase::Checkpointing, Some(at.epoch));
+        if at.batches > 0 {
+            status.step(at.batches);
+        }
+        let timeout = self.group.options().timeout;
+        let snapshot = self
+            .is_main()
+            .then(|| Snapshot::take(learner, at, events, timeout));
+        checkpoint::save(&self.group, config, snapshot)?;
+        status.enter(phase, Some(at.epoch));
+        Ok(())
+    }
+
+    /// After the ranks agreed to stop for `signal`: the checkpoint at `at` (if configured), and
+    /// the error that ends training (or the checkpoint's failure).
+    pub(super) fn stopped<M: LearnerModel>(
+        &self,
+        learner: &Learner<M>,
+        at: Position,
+        signal: i32,
+        events: &EventStoreClient,
+    ) -> DdpError {
+        match self.checkpoint(learner, at, events) {
+            Ok(()) => {
+                let path = self.checkpoints.as_ref().map(|c| c.path());
+                self.stopped_error(at, signal, path)
+            }
+            Err(e) => e,
+        }
+    }
+
+    pub(super) fn stopped_error(
+        &self,
+        at: Position,
+        signal: i32,
+        checkpoint: Option<std::path::PathBuf>,
+    ) -> DdpError {
+        self.group.status().enter(Phase::Finished, None);
+        DdpError::Stopped {
+            rank: self.group.rank(),
+            signal,
+            epoch: at.epoch,
+            step: at.batches,
+            checkpoint,
+        }
+    }
+
+    /// Loads the checkpoint, if configured and present: where to continue from.
+    pub(super) fn resume<M: LearnerModel>(
+        &self,
+        learner: &mut Learner<M>,
+    ) -> Result<Option<Position>> {
+        let Some(config) = &self.checkpoints else {
+            return Ok(None);
+        };
+        self.group.status().enter(Phase::Resuming, None);
+        let Some(snapshot) = checkpoint::load(&self.group, config)? else {
+            return Ok(None);
+        };
+        snapshot
+            .restore(learner)
+            .map_err(|reason| DdpError::Checkpoint {
+                rank: self.group.rank(),
+                reason,
+            })?;
+        let p = snapshot.position;
+        if self.is_main() {
+            log::info!(
+                "resuming from {}: epoch {}, after {} batches ({} samples) written by {} ranks",
+                config.path().display(),
+                p.epoch,
+                p.batches,
+                p.samples,
+                p.world_size
+            );
+            if p.world_size != self.group.world_size() {
+                log::warn!(
+                    "the checkpoint was written by {} ranks, this job has {}: epoch {} continues \
+                     with the samples not seen yet, and the global batch changes",
+                    p.world_size,
+                    self.group.world_size(),
+                    p.epoch
+                );
+            }
+        }
+        Ok(Some(p))
+    }
+}
