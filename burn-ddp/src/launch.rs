@@ -427,7 +427,7 @@ impl Exits {
             .iter()
             .enumerate()
             .map(|(i, s)| {
-                let how = s.map_or("cannot be waited for".into(), |s| describe(s));
+                let how = s.map_or("cannot be waited for".into(), describe);
                 format!("rank {}: {how}", first + i)
             })
             .collect::<Vec<_>>()
