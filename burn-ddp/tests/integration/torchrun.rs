@@ -66,24 +66,6 @@ macro_rules! torchrun_or_skip {
     };
 }
 
-/// Builds a workspace binary with this test's profile and returns its path.
-fn workspace_binary(package: &str, bin: &str) -> PathBuf {
-    let exe = std::env::current_exe().unwrap();
-    // target/<profile>/deps/integration-<hash>
-    let profile_dir = exe.parent().and_then(Path::parent).unwrap().to_path_buf();
-    let target = profile_dir.parent().unwrap();
-    let cargo = std::env::var("CARGO").unwrap_or_else(|_| env!("CARGO").into());
-    let mut cmd = Command::new(cargo);
-    cmd.args(["build", "--quiet", "-p", package, "--bin", bin])
-        .env("CARGO_TARGET_DIR", target);
-    if profile_dir.file_name().is_some_and(|n| n == "release") {
-        cmd.arg("--release");
-    }
-    let (code, out) = run_bounded(cmd, Duration::from_secs(1800));
-    assert_eq!(code, Some(0), "building {package}: {out}");
-    profile_dir.join(bin)
-}
-
 /// Runs `cmd` to completion within `limit` (SIGTERM, then SIGKILL, past it); returns the exit
 /// code and stdout + stderr.
 fn run_bounded(mut cmd: Command, limit: Duration) -> (Option<i32>, String) {
@@ -152,7 +134,7 @@ fn torchrun_command(torchrun: &Path, program: &Path, args: &[&str]) -> Command {
 #[test]
 fn hello_ddp_runs_under_torchrun() {
     let torchrun = torchrun_or_skip!();
-    let hello = workspace_binary("hello_ddp", "hello_ddp");
+    let hello = crate::bins::example_bin("hello_ddp", "hello_ddp");
     let cmd = torchrun_command(&torchrun, &hello, &[]);
     let (code, out) = run_bounded(cmd, Duration::from_secs(180));
     println!("{out}");
@@ -166,7 +148,7 @@ fn hello_ddp_runs_under_torchrun() {
 #[test]
 fn a_quickstart_epoch_runs_under_torchrun() {
     let torchrun = torchrun_or_skip!();
-    let quickstart = workspace_binary("quickstart", "quickstart");
+    let quickstart = crate::bins::example_bin("quickstart", "quickstart");
     let args = ["--epochs", "1", "--samples", "256"];
     let cmd = torchrun_command(&torchrun, &quickstart, &args);
     let (code, out) = run_bounded(cmd, Duration::from_secs(600));
