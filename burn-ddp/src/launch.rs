@@ -21,16 +21,18 @@ macro_rules! say {
     }};
 }
 
+mod exits;
 mod forward;
 pub mod output;
 
 use std::ffi::OsString;
 use std::net::TcpListener;
 use std::path::PathBuf;
-use std::process::{Child, Command, ExitStatus};
+use std::process::{Child, Command};
 use std::sync::mpsc::{self, RecvTimeoutError};
 use std::time::{Duration, Instant};
 
+use exits::Exits;
 use forward::Forwarder;
 use output::OutputPlan;
 
@@ -124,20 +126,6 @@ pub fn free_port(host: &str) -> Result<u16> {
     l.local_addr()
         .map(|a| a.port())
         .map_err(|e| DdpError::io("reading a probed port", e))
-}
-
-fn describe(status: ExitStatus) -> String {
-    #[cfg(unix)]
-    {
-        use std::os::unix::process::ExitStatusExt;
-        if let Some(sig) = status.signal() {
-            return format!("killed by signal {sig}");
-        }
-    }
-    match status.code() {
-        Some(c) => format!("exited with code {c}"),
-        None => status.to_string(),
-    }
 }
 
 /// Runs the ranks of this node to completion. `Ok` when all exit with 0; otherwise the others
@@ -382,61 +370,6 @@ fn run_attempt(
     match forwarder.received() {
         Some((signal, _)) => exits.stopped(signal, first),
         None => result,
-    }
-}
-
-/// The ranks' exits as the waiter threads report them.
-struct Exits {
-    running: Vec<bool>,
-    /// How each rank that failed ended, in words.
-    failures: Vec<Option<String>>,
-    /// How each rank ended.
-    statuses: Vec<Option<ExitStatus>>,
-}
-
-impl Exits {
-    /// Notes rank `i`'s exit; true if it failed.
-    fn record(&mut self, (i, status): (usize, std::io::Result<ExitStatus>)) -> bool {
-        self.running[i] = false;
-        self.statuses[i] = status.as_ref().ok().copied();
-        self.failures[i] = match status {
-            Ok(s) if s.success() => None,
-            Ok(s) => Some(describe(s)),
-            Err(e) => Some(format!("cannot be waited for ({e})")),
-        };
-        self.failures[i].is_some()
-    }
-}
-
-impl Exits {
-    /// The outcome of a start that a stop signal ended: `Ok` if every rank exited with 0 (they
-    /// finished anyway), else the ranks' exit code (the first rank's that has one; 128 + the
-    /// signal for ranks killed by a signal).
-    fn stopped(&self, signal: i32, first: usize) -> Result<()> {
-        if self.statuses.iter().all(|s| s.is_some_and(|s| s.success())) {
-            return Ok(());
-        }
-        let code = self
-            .statuses
-            .iter()
-            .flatten()
-            .find_map(|s| s.code().filter(|c| *c != 0))
-            .unwrap_or(crate::signals::exit_code(signal));
-        let status = self
-            .statuses
-            .iter()
-            .enumerate()
-            .map(|(i, s)| {
-                let how = s.map_or("cannot be waited for".into(), describe);
-                format!("rank {}: {how}", first + i)
-            })
-            .collect::<Vec<_>>()
-            .join(", ");
-        Err(DdpError::LaunchStopped {
-            signal,
-            status,
-            code,
-        })
     }
 }
 
