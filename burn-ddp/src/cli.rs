@@ -74,6 +74,10 @@ pub struct LaunchArgs {
     /// Show the output of these local ranks only, e.g. 0,3 [default: every rank]
     #[arg(long, value_name = "RANKS", value_delimiter = ',')]
     pub local_ranks_filter: Option<Vec<usize>>,
+    /// After a stop signal (SIGTERM, SIGINT, SIGUSR1), seconds the ranks have to stop at a step
+    /// and write their checkpoint before they are killed
+    #[arg(long, value_name = "SECS", default_value_t = 120)]
+    pub stop_grace: u64,
 }
 
 impl LaunchArgs {
@@ -93,6 +97,7 @@ impl LaunchArgs {
         cfg.log_dir = self.log_dir.clone();
         cfg.tee = self.tee;
         cfg.local_ranks_filter = self.local_ranks_filter.clone();
+        cfg.stop_grace = std::time::Duration::from_secs(self.stop_grace);
         cfg
     }
 }

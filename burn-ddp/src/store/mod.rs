@@ -17,7 +17,7 @@ pub use server::StoreServer;
 use crate::error::{DdpError, Result};
 use crate::secret::JobSecret;
 use c10d::C10dClient;
-use native::NativeClient;
+use native::{Handshake, NativeClient};
 
 /// Extra time a client waits for an answer beyond the wait it asked the server for.
 const ANSWER_MARGIN: Duration = Duration::from_secs(10);
@@ -69,6 +69,9 @@ impl std::fmt::Debug for Store {
     }
 }
 
+/// Pause before dialling again a store that closed a connection before its hello.
+const RETRY_PAUSE: Duration = Duration::from_millis(50);
+
 /// Opens a TCP connection to `addr`, retrying until `timeout` passes, so clients may start
 /// before the server. `who` names the server in the error.
 fn dial(addr: &str, timeout: Duration, who: &str) -> Result<TcpStream> {
@@ -116,8 +119,25 @@ impl Store {
         timeout: Duration,
         secret: Option<&JobSecret>,
     ) -> Result<Self> {
-        let stream = dial(addr, timeout, "rank 0")?;
-        let (client, local) = NativeClient::handshake(addr, stream, timeout, secret)?;
+        let deadline = Instant::now() + timeout;
+        let (client, local) = loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            let stream = dial(addr, left, "rank 0")?;
+            match NativeClient::handshake(addr, stream, timeout, secret) {
+                Ok(session) => break session,
+                Err(Handshake::Failed(e)) => return Err(e),
+                Err(Handshake::Dropped(why)) if Instant::now() + RETRY_PAUSE < deadline => {
+                    log::debug!("store at {addr} closed a new connection ({why}); dialling again");
+                    std::thread::sleep(RETRY_PAUSE);
+                }
+                Err(Handshake::Dropped(why)) => {
+                    return Err(DdpError::Store {
+                        addr: addr.to_string(),
+                        reason: format!("closed every connection until the timeout ({why})"),
+                    });
+                }
+            }
+        };
         Ok(Store {
             addr: addr.to_string(),
             local,

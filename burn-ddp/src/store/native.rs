@@ -20,15 +20,28 @@ pub(crate) struct NativeClient {
 
 impl NativeClient {
     /// Exchanges hellos (and the job secret) on a fresh connection.
+    /// Opens a connection's session: hello and secret out, the server's hello and verdict in.
     pub(crate) fn handshake(
         addr: &str,
         mut stream: TcpStream,
         timeout: Duration,
         secret: Option<&JobSecret>,
-    ) -> Result<(Self, SocketAddr)> {
-        let fail = |reason: String| DdpError::Store {
-            addr: addr.to_string(),
-            reason,
+    ) -> Result<(Self, SocketAddr), Handshake> {
+        let fail = |reason: String| {
+            Handshake::Failed(DdpError::Store {
+                addr: addr.to_string(),
+                reason,
+            })
+        };
+        // The server closed this connection before answering (it sheds unadmitted connections
+        // under a flood, see the server): worth dialling again.
+        let dropped = |e: &std::io::Error, what: &str| {
+            use std::io::ErrorKind::*;
+            matches!(
+                e.kind(),
+                UnexpectedEof | ConnectionReset | BrokenPipe | ConnectionAborted
+            )
+            .then(|| Handshake::Dropped(format!("{what}: {e}")))
         };
         let _ = stream.set_nodelay(true);
         stream
@@ -37,12 +50,16 @@ impl NativeClient {
         stream
             .write_all(HELLO)
             .and_then(|_| write_frame(&mut stream, secret.map_or(&[][..], JobSecret::as_bytes)))
-            .map_err(|e| fail(format!("sending hello: {e}")))?;
+            .map_err(|e| {
+                dropped(&e, "sending hello").unwrap_or_else(|| fail(format!("sending hello: {e}")))
+            })?;
         let mut hello = vec![0u8; HELLO.len()];
         stream.read_exact(&mut hello).map_err(|e| {
-            fail(format!(
-                "no burn-ddp store answered ({e}); is another program using this port?"
-            ))
+            dropped(&e, "reading the store's hello").unwrap_or_else(|| {
+                fail(format!(
+                    "no burn-ddp store answered ({e}); is another program using this port?"
+                ))
+            })
         })?;
         if hello != HELLO {
             return Err(fail(
@@ -167,4 +184,12 @@ impl NativeClient {
             r => Err(self.unexpected(r)),
         }
     }
+}
+
+/// Why a handshake did not complete.
+pub(crate) enum Handshake {
+    /// The server closed the connection before its hello: dial again.
+    Dropped(String),
+    /// Anything else (not a burn-ddp store, refused, unreadable): the error to report.
+    Failed(DdpError),
 }
