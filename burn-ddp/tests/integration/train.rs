@@ -529,6 +529,18 @@ pub(crate) struct Job {
 
 const JOB_EPOCHS: usize = 3;
 
+/// The digest of the checkpoint tests' job at world 2 run straight through, as threads: what a
+/// stopped, killed or restarted job must end with.
+pub(crate) fn uninterrupted_digest() -> String {
+    let straight = run_job(&Job {
+        world: 2,
+        checkpoints: None,
+        fail_at: None,
+        count: None,
+    });
+    digest(bytemuck::cast_slice(straight[0].as_ref().unwrap())).to_string()
+}
+
 pub(crate) fn run_job(job: &Job) -> Vec<Result<Vec<f32>, String>> {
     let net = Mutex::new(Some(new_net(Some(7), false)));
     run_world(job.world, options(60), |group: ProcessGroup| {
