@@ -76,12 +76,13 @@ fn sigterm_to_the_launcher_stops_the_job_at_a_step_with_a_checkpoint_and_it_resu
     println!("stopped job ended {took:?} after its start");
     let position = inspect_checkpoint(&ckpt.join(burn_ddp::train::CHECKPOINT_FILE))
         .expect("a checkpoint was written at the stop");
-    // The vote of step 3 (which rank 1 ends after the signal came back to it) is read after
-    // step 4: the ranks stop there.
+    // Rank 1 ends step 3 after the signal came back to it; the ranks vote after every 4th step
+    // (step 4 here, see burn-ddp's train/stop.rs) and read the vote after the next: they stop
+    // after step 5.
     assert_eq!(
         (position.epoch, position.batches),
-        (2, 4),
-        "stopped mid-epoch 2 after step 4: {position:?}"
+        (2, 5),
+        "stopped mid-epoch 2 after step 5: {position:?}"
     );
     assert!(
         std::fs::read_dir(&results).unwrap().next().is_none(),
