@@ -295,6 +295,7 @@ fn run_attempt(
     loop {
         // After a stop signal, the ranks have `stop_grace` to end; then they are killed.
         let wait = match forwarder.received() {
+            _ if killed => Duration::from_millis(50),
             Some((_, at)) => (at + cfg.stop_grace).saturating_duration_since(Instant::now()),
             None => Duration::from_millis(200),
         };

@@ -32,9 +32,15 @@ impl Forwarder {
         })
     }
 
-    /// The ranks signals go to (the processes of the current start).
+    /// The ranks signals go to (the processes of the current start). A signal that arrived
+    /// while they were being started is passed on to them now.
     pub(crate) fn set_ranks(&self, pids: &[u32]) {
         *self.state.pids.lock().unwrap_or_else(|p| p.into_inner()) = pids.to_vec();
+        if let Some(signal) = self.state.repeats.first() {
+            for pid in pids {
+                super::kill_pid(*pid, Some(signal));
+            }
+        }
     }
 
     /// The first stop signal received and when, if one was.
