@@ -2,9 +2,10 @@
 //! prefix) when the launcher runs in one, every line is prefixed otherwise; `--log-dir`,
 //! `--tee` and `--local-ranks-filter` as torchrun's.
 
-use std::process::{Command, Stdio};
-use std::time::{Duration, Instant};
+use std::process::Command;
+use std::time::Duration;
 
+use crate::bins::run_bounded;
 use crate::processes::ENTRY;
 
 /// `burn-ddp-run FLAGS --nproc 2 <this test binary as ranks of the "sum" scenario>` as a shell
@@ -19,26 +20,13 @@ fn command_line(flags: &str) -> String {
 }
 
 /// Runs a shell command with the "sum" scenario's environment; returns its stdout, within a
-/// bound.
+/// bound (see [`crate::bins::run_bounded`]).
 fn run(shell: &str) -> String {
-    let mut child = Command::new("sh")
-        .args(["-c", shell])
+    let mut cmd = Command::new("sh");
+    cmd.args(["-c", shell])
         .env("BDDP_TEST_SCENARIO", "sum")
-        .env("BURN_DDP_TIMEOUT", "20")
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let deadline = Instant::now() + Duration::from_secs(60);
-    while child.try_wait().unwrap().is_none() {
-        if Instant::now() > deadline {
-            let _ = child.kill();
-            panic!("{shell} did not end within 60 s");
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    let out = child.wait_with_output().unwrap();
+        .env("BURN_DDP_TIMEOUT", "20");
+    let out = run_bounded(cmd, Duration::from_secs(60));
     let (stdout, stderr) = (
         String::from_utf8_lossy(&out.stdout).into_owned(),
         String::from_utf8_lossy(&out.stderr).into_owned(),

@@ -2,15 +2,16 @@
 //! together at a step boundary, write a checkpoint there and exit with 143; the launcher exits
 //! with it, and the job started again resumes and ends bit-identical to one never stopped.
 
-use std::process::{Command, Stdio};
+use std::process::Command;
 use std::time::{Duration, Instant};
 
 use burn_ddp::train::inspect_checkpoint;
 
+use crate::bins::run_bounded;
 use crate::processes::ENTRY;
 
 /// Runs the `train` scenario on 2 ranks under the real launcher binary; returns its exit code
-/// and stderr, after at most `bound`.
+/// and stderr, and how long it ran (at most `bound`, see [`crate::bins::run_bounded`]).
 fn launch_job(env: &[(&str, String)], bound: Duration) -> (Option<i32>, String, Duration) {
     let exe = std::env::current_exe().unwrap();
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_burn-ddp-run"));
@@ -19,31 +20,11 @@ fn launch_job(env: &[(&str, String)], bound: Duration) -> (Option<i32>, String, 
         .args(["--exact", ENTRY, "--ignored", "--nocapture"])
         .env("BDDP_TEST_SCENARIO", "train")
         .env("BURN_DDP_TIMEOUT", "20")
-        .envs(env.iter().map(|(k, v)| (k, v)))
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped());
+        .envs(env.iter().map(|(k, v)| (k, v)));
     let start = Instant::now();
-    let mut child = cmd.spawn().unwrap();
-    let stderr = child.stderr.take().unwrap();
-    let reader = std::thread::spawn(move || {
-        let mut s = String::new();
-        let _ = std::io::Read::read_to_string(&mut { stderr }, &mut s);
-        s
-    });
-    let status = loop {
-        if let Some(status) = child.try_wait().unwrap() {
-            break status;
-        }
-        if start.elapsed() > bound {
-            let _ = child.kill();
-            let _ = child.wait();
-            panic!("the launcher did not end within {bound:?}");
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    };
-    let took = start.elapsed();
-    (status.code(), reader.join().unwrap(), took)
+    let out = run_bounded(cmd, bound);
+    let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+    (out.status.code(), stderr, start.elapsed())
 }
 
 #[test]

@@ -3,9 +3,8 @@
 //! reaches torchrun's "Root Cause" report through `TORCHELASTIC_ERROR_FILE`. Also the error
 //! file as the library writes it, without torchrun.
 
-use std::io::Read;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::Command;
 use std::time::{Duration, Instant};
 
 use burn_ddp::elastic::ERROR_FILE_VAR;
@@ -66,59 +65,16 @@ macro_rules! torchrun_or_skip {
     };
 }
 
-/// Runs `cmd` to completion within `limit` (SIGTERM, then SIGKILL, past it); returns the exit
+/// Runs `cmd` to completion within `limit` (see [`crate::bins::run_bounded`]); returns the exit
 /// code and stdout + stderr.
-fn run_bounded(mut cmd: Command, limit: Duration) -> (Option<i32>, String) {
-    let mut child = cmd
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap_or_else(|e| panic!("cannot start {cmd:?}: {e}"));
-    let pumps: Vec<_> = [
-        child
-            .stdout
-            .take()
-            .map(|s| Box::new(s) as Box<dyn Read + Send>),
-        child
-            .stderr
-            .take()
-            .map(|s| Box::new(s) as Box<dyn Read + Send>),
-    ]
-    .into_iter()
-    .flatten()
-    .map(|mut s| {
-        std::thread::spawn(move || {
-            let mut buf = Vec::new();
-            let _ = s.read_to_end(&mut buf);
-            String::from_utf8_lossy(&buf).into_owned()
-        })
-    })
-    .collect();
-    let code = wait_bounded(&mut child, limit);
-    let out: String = pumps.into_iter().filter_map(|p| p.join().ok()).collect();
-    assert!(code.is_ok(), "{cmd:?} ran past {limit:?}:\n{out}");
-    (code.unwrap_or(None), out)
-}
-
-fn wait_bounded(child: &mut Child, limit: Duration) -> Result<Option<i32>, ()> {
-    let deadline = Instant::now() + limit;
-    loop {
-        if let Ok(Some(status)) = child.try_wait() {
-            return Ok(status.code());
-        }
-        if Instant::now() >= deadline {
-            // torchrun stops its workers on SIGTERM; SIGKILL whatever is left.
-            if let Some(pid) = rustix::process::Pid::from_raw(child.id() as i32) {
-                let _ = rustix::process::kill_process(pid, rustix::process::Signal::TERM);
-            }
-            std::thread::sleep(Duration::from_secs(5));
-            let _ = child.kill();
-            let _ = child.wait();
-            return Err(());
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    }
+fn run_bounded(cmd: Command, limit: Duration) -> (Option<i32>, String) {
+    let out = crate::bins::run_bounded(cmd, limit);
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    (out.status.code(), text)
 }
 
 fn torchrun_command(torchrun: &Path, program: &Path, args: &[&str]) -> Command {
@@ -216,33 +172,31 @@ fn failing_ranks_write_the_error_file_torchrun_reads() {
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).unwrap();
     let port = free_port("127.0.0.1").unwrap();
-    let ranks: Vec<Child> = (0..2)
+    // Both ranks at once, each bounded (see crate::bins::run_bounded).
+    let ranks: Vec<_> = (0..2)
         .map(|rank| {
-            Command::new(std::env::current_exe().unwrap())
-                .args([
-                    "--exact",
-                    ENTRY,
-                    "--ignored",
-                    "--nocapture",
-                    "--test-threads=1",
-                ])
-                .env("RANK", rank.to_string())
-                .env("WORLD_SIZE", "2")
-                .env("MASTER_ADDR", "127.0.0.1")
-                .env("MASTER_PORT", port.to_string())
-                .env("BURN_DDP_RENDEZVOUS_TIMEOUT", "60")
-                .env(ERROR_FILE_VAR, dir.join(format!("{rank}.json")))
-                .stdin(Stdio::null())
-                .stdout(Stdio::null())
-                .stderr(Stdio::null())
-                .spawn()
-                .unwrap()
+            let mut cmd = Command::new(std::env::current_exe().unwrap());
+            cmd.args([
+                "--exact",
+                ENTRY,
+                "--ignored",
+                "--nocapture",
+                "--test-threads=1",
+            ])
+            .env("RANK", rank.to_string())
+            .env("WORLD_SIZE", "2")
+            .env("MASTER_ADDR", "127.0.0.1")
+            .env("MASTER_PORT", port.to_string())
+            .env("BURN_DDP_RENDEZVOUS_TIMEOUT", "60")
+            .env(ERROR_FILE_VAR, dir.join(format!("{rank}.json")));
+            std::thread::spawn(move || {
+                crate::bins::run_bounded(cmd, Duration::from_secs(120))
+                    .status
+                    .code()
+            })
         })
         .collect();
-    let codes: Vec<_> = ranks
-        .into_iter()
-        .map(|mut c| wait_bounded(&mut c, Duration::from_secs(120)).expect("rank ran too long"))
-        .collect();
+    let codes: Vec<_> = ranks.into_iter().map(|t| t.join().unwrap()).collect();
     assert_eq!(codes, vec![Some(3), Some(5)]);
     let gave_up = error_file_message(&dir.join("1.json"));
     assert!(
