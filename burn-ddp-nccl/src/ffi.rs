@@ -8,11 +8,12 @@
 //! - A [`RawComm`] owns its `ncclComm_t`: created by `ncclCommInitRank`, used only through
 //!   `&self`/`&mut self`, and released exactly once (destroyed on drop, or aborted on failure
 //!   and then never used again).
-//! - [`RawComm::all_reduce`] receives device pointers and a count that the caller took from
-//!   live, contiguous CubeCL buffers of at least `count` elements it keeps pinned (a `ManagedResource`) until the
-//!   stream has been synchronised, so NCCL reads and writes exactly `count` elements of memory
-//!   that stays allocated and that no CubeCL kernel touches meanwhile (the caller synchronised
-//!   CubeCL's stream before, and synchronises NCCL's stream before handing the tensor back).
+//! - [`RawComm::enqueue`] receives device pointers and counts that the caller took from live,
+//!   contiguous CubeCL buffers (of `count` elements; `world * count` for a gather's output) it
+//!   keeps pinned (a `ManagedResource`) until [`RawComm::wait`] saw NCCL's stream finish, so
+//!   NCCL reads and writes memory that stays allocated. No CubeCL kernel touches it meanwhile:
+//!   the caller waited for the fence CubeCL's stream recorded after the kernels that produced
+//!   the input before enqueuing, and hands the tensor back to burn only after the wait.
 //! - Strings from `ncclGetErrorString` / `ncclGetLastError` are static or owned by NCCL and
 //!   copied at once.
 
@@ -48,12 +49,22 @@ pub(crate) fn unique_id() -> Result<[u8; 128], String> {
     Ok(id.internal.map(|c| c as u8))
 }
 
-/// The element types NCCL reduces here.
+/// The element types NCCL moves here.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum DataType {
+pub(crate) enum DType {
     F32,
     F16,
     BF16,
+}
+
+impl DType {
+    fn raw(self) -> sys::ncclDataType_t {
+        match self {
+            DType::F32 => sys::ncclDataType_t::ncclFloat32,
+            DType::F16 => sys::ncclDataType_t::ncclFloat16,
+            DType::BF16 => sys::ncclDataType_t::ncclBfloat16,
+        }
+    }
 }
 
 /// The reductions NCCL performs here.
@@ -62,6 +73,23 @@ pub(crate) enum RedOp {
     Sum,
     Avg,
     Max,
+    Min,
+}
+
+/// One collective on raw device addresses, enqueued by [`RawComm::enqueue`].
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum RawOp {
+    /// `count` elements from `send` reduced into `recv` (the same address for in place).
+    AllReduce {
+        send: u64,
+        recv: u64,
+        count: usize,
+        op: RedOp,
+    },
+    /// `count` elements of `buf` become `root`'s, in place.
+    Broadcast { buf: u64, count: usize, root: usize },
+    /// `count` elements from `send` on every rank land at `recv + rank * count`.
+    AllGather { send: u64, recv: u64, count: usize },
 }
 
 /// An owned NCCL communicator.
@@ -104,47 +132,72 @@ impl RawComm {
         }
     }
 
-    /// Reduces `count` elements from device address `send` into `recv` (the same address for
-    /// in place) on `stream`, then waits for the stream at most `timeout` (polling it); on
-    /// timeout the communicator is aborted.
-    #[allow(clippy::too_many_arguments)]
-    pub(crate) fn all_reduce(
+    /// Enqueues `op` on elements of `dtype` on `stream` and returns at once; the caller waits
+    /// with [`RawComm::wait`] before anything reads or frees the buffers.
+    pub(crate) fn enqueue(
         &mut self,
-        send: u64,
-        recv: u64,
-        count: usize,
-        dtype: DataType,
-        op: RedOp,
+        op: RawOp,
+        dtype: DType,
         stream: cu::CUstream,
-        timeout: Duration,
     ) -> Result<(), String> {
         if self.aborted {
             return Err("the communicator was aborted after an earlier failure".into());
         }
-        let dtype = match dtype {
-            DataType::F32 => sys::ncclDataType_t::ncclFloat32,
-            DataType::F16 => sys::ncclDataType_t::ncclFloat16,
-            DataType::BF16 => sys::ncclDataType_t::ncclBfloat16,
+        let (dtype, stream) = (dtype.raw(), stream as sys::cudaStream_t);
+        // SAFETY: see the module docs: the addresses and counts describe pinned, contiguous
+        // buffers of `dtype` elements (the gather's `recv` of `world * count`), and `stream`
+        // belongs to the context that owns them.
+        let result = unsafe {
+            match op {
+                RawOp::AllReduce {
+                    send,
+                    recv,
+                    count,
+                    op,
+                } => {
+                    let op = match op {
+                        RedOp::Sum => sys::ncclRedOp_t::ncclSum,
+                        RedOp::Avg => sys::ncclRedOp_t::ncclAvg,
+                        RedOp::Max => sys::ncclRedOp_t::ncclMax,
+                        RedOp::Min => sys::ncclRedOp_t::ncclMin,
+                    };
+                    nccl::all_reduce(
+                        send as *const c_void,
+                        recv as *mut c_void,
+                        count,
+                        dtype,
+                        op,
+                        self.comm,
+                        stream,
+                    )
+                }
+                RawOp::Broadcast { buf, count, root } => nccl::broadcast(
+                    buf as *const c_void,
+                    buf as *mut c_void,
+                    count,
+                    dtype,
+                    root as i32,
+                    self.comm,
+                    stream,
+                ),
+                RawOp::AllGather { send, recv, count } => nccl::all_gather(
+                    send as *const c_void,
+                    recv as *mut c_void,
+                    count,
+                    dtype,
+                    self.comm,
+                    stream,
+                ),
+            }
         };
-        let op = match op {
-            RedOp::Sum => sys::ncclRedOp_t::ncclSum,
-            RedOp::Avg => sys::ncclRedOp_t::ncclAvg,
-            RedOp::Max => sys::ncclRedOp_t::ncclMax,
-        };
-        // SAFETY: see the module docs: `send`/`recv` and `count` describe pinned, contiguous
-        // buffers of `dtype` elements, and `stream` belongs to the context that owns them.
-        unsafe {
-            nccl::all_reduce(
-                send as *const c_void,
-                recv as *mut c_void,
-                count,
-                dtype,
-                op,
-                self.comm,
-                stream as sys::cudaStream_t,
-            )
-        }
-        .map_err(|e| format!("{} ({})", error_string(e.0), self.last_error()))?;
+        result
+            .map(|_| ())
+            .map_err(|e| format!("{} ({})", error_string(e.0), self.last_error()))
+    }
+
+    /// Waits for `stream` at most `timeout` (polling it, so the wait is bounded even when a
+    /// peer never joins); on timeout the communicator is aborted.
+    pub(crate) fn wait(&mut self, stream: cu::CUstream, timeout: Duration) -> Result<(), String> {
         let start = Instant::now();
         loop {
             // SAFETY: `stream` is a live stream of the current context.
@@ -157,7 +210,7 @@ impl RawComm {
                 self.abort();
                 return Err(format!("timed out after {timeout:?}"));
             }
-            std::thread::sleep(Duration::from_micros(50));
+            std::thread::sleep(Duration::from_micros(20));
         }
     }
 

@@ -8,10 +8,13 @@
 //!   how to fix it. Always compiled.
 //! - With the `cuda` feature: [`NcclComm`], one communicator per process group on the rank's
 //!   GPU, joined with the 128-byte id rank 0 creates ([`unique_id`]) and passes through
-//!   burn-ddp's store; its `unsafe` calls live in one module with their safety argument.
+//!   burn-ddp's store. All-reduce, broadcast and all-gather start on the calling thread and
+//!   finish in [`Pending::wait`] on any thread; their `unsafe` calls live in one module with
+//!   their safety argument.
 //!
-//! burn-ddp's `nccl` feature makes `DdpLearner` use it for models on CUDA devices. Status: built
-//! and tested without a GPU (library finder, NCCL id); it has not yet run on a GPU.
+//! burn-ddp's `nccl` feature makes its process group use it for tensors on CUDA devices (so
+//! `DdpLearner`'s buckets travel by NCCL). Status: built and tested without a GPU (library
+//! finder, NCCL id); it has not yet run on a GPU.
 
 mod error;
 pub mod library;
@@ -22,5 +25,5 @@ mod comm;
 mod ffi;
 
 #[cfg(feature = "cuda")]
-pub use comm::{NcclComm, Reduction, check_libraries, is_cuda, unique_id};
+pub use comm::{NcclComm, Pending, ReduceOp, check_libraries, is_cuda, unique_id};
 pub use error::NcclError;

@@ -6,7 +6,7 @@ mod cuda {
     use std::time::Duration;
 
     use burn::tensor::{DType, Device, Tensor, TensorData};
-    use burn_ddp_nccl::{NcclComm, NcclError, Reduction, check_libraries, unique_id};
+    use burn_ddp_nccl::{NcclComm, NcclError, ReduceOp, check_libraries, unique_id};
 
     /// Skips (with the reason printed) unless libcuda and libnccl load.
     fn libraries_or_skip(test: &str) -> bool {
@@ -48,16 +48,18 @@ mod cuda {
         }
     }
 
-    /// World size 1 on GPU 0, reduced out of place into a zeroed buffer: the output equals
-    /// the input only if NCCL read the input's memory and wrote the output's; then in place.
+    /// World size 1 on GPU 0: gathered out of place into a fresh buffer (the output equals
+    /// the input only if NCCL read the input's memory and wrote the output's), then reduced
+    /// and broadcast in place, each started on this thread and finished on another.
     #[test]
-    fn world_of_one_all_reduce_on_the_gpu() {
-        if !libraries_or_skip("world_of_one_all_reduce_on_the_gpu") {
+    fn world_of_one_collectives_on_the_gpu() {
+        if !libraries_or_skip("world_of_one_collectives_on_the_gpu") {
             return;
         }
         let id = unique_id(0).unwrap();
         let comm = NcclComm::new(0, 1, 0, &id, Duration::from_secs(60)).unwrap();
         let device = Device::cuda(0);
+        let host = |t: Tensor<1>| t.into_data().convert::<f32>().try_to_vec::<f32>().unwrap();
         for dtype in [DType::F32, DType::F16, DType::BF16] {
             for n in [1usize, 7, 1_000_003] {
                 let values: Vec<f32> = (0..n).map(|i| (i % 97) as f32 - 48.0).collect();
@@ -65,24 +67,14 @@ mod cuda {
                     TensorData::new(values.clone(), [n]).convert_dtype(dtype),
                     &device,
                 );
-                let zeros = Tensor::<1>::zeros([n], &device).cast(dtype);
-                let out = comm
-                    .all_reduce_into(input.clone(), zeros, Reduction::Sum)
-                    .unwrap();
-                let got = out
-                    .into_data()
-                    .convert::<f32>()
-                    .try_to_vec::<f32>()
-                    .unwrap();
-                assert_eq!(got, values, "{dtype:?} n = {n}, out of place");
-                let again = comm.all_reduce(input, Reduction::Avg).unwrap();
-                let got = again
-                    .into_data()
-                    .convert::<f32>()
-                    .try_to_vec::<f32>()
-                    .unwrap();
-                assert_eq!(got, values, "{dtype:?} n = {n}, in place");
-                println!("NCCL world 1 all_reduce {dtype:?} n={n}: ok");
+                let gathered = comm.start_all_gather(input.clone()).unwrap();
+                let out = std::thread::spawn(move || gathered.wait()).join().unwrap();
+                assert_eq!(host(out.unwrap()), values, "{dtype:?} n = {n}, gathered");
+                let again = comm.all_reduce(input.clone(), ReduceOp::Avg).unwrap();
+                assert_eq!(host(again), values, "{dtype:?} n = {n}, reduced in place");
+                let sent = comm.start_broadcast(input, 0).unwrap().wait().unwrap();
+                assert_eq!(host(sent), values, "{dtype:?} n = {n}, broadcast");
+                println!("NCCL world 1 all_gather, all_reduce, broadcast {dtype:?} n={n}: ok");
             }
         }
     }

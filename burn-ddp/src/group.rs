@@ -12,7 +12,7 @@ use std::sync::mpsc::{self, Sender};
 use std::thread::JoinHandle;
 
 use crate::collectives::tcp::TcpTransport;
-use crate::collectives::{DataType, Reduce, ReduceOp, Work};
+use crate::collectives::{Broadcastable, Gatherable, ReduceOp, Reducible, Work};
 use crate::env::LaunchEnv;
 use crate::error::{DdpError, Result};
 use crate::failure::FailureRecord;
@@ -50,6 +50,8 @@ pub struct ProcessGroup {
     jobs: Option<Sender<Job>>,
     worker: Option<JoinHandle<()>>,
     all_reduces: AtomicU64,
+    #[cfg(feature = "train")]
+    devices: crate::collectives::device::DeviceBackends,
     _server: Option<StoreServer>,
 }
 
@@ -149,7 +151,8 @@ impl ProcessGroup {
         &self.options
     }
 
-    fn submit<T: Send + 'static>(
+    /// Queues `job` on the collective thread, after every collective issued before it.
+    pub(crate) fn submit<T: Send + 'static>(
         &self,
         job: impl FnOnce(&mut TcpTransport) -> Result<T> + Send + 'static,
     ) -> Work<T> {
@@ -163,30 +166,31 @@ impl ProcessGroup {
         }
     }
 
+    /// The backends chosen for the devices tensors were on.
+    #[cfg(feature = "train")]
+    pub(crate) fn device_backends(&self) -> &crate::collectives::device::DeviceBackends {
+        &self.devices
+    }
+
     /// Starts an all-reduce of `data`; [`Work::wait`] returns the reduced buffer, identical on
-    /// every rank. Every rank must pass a buffer of the same length and type.
-    pub fn all_reduce<T: Reduce>(&self, mut data: Vec<T>, op: ReduceOp) -> Work<Vec<T>> {
+    /// every rank. Every rank must pass a buffer of the same length and type: a `Vec` of a
+    /// [`crate::Reduce`] element type, or (feature `train`) a flat float `Tensor<1>` on any burn
+    /// device (NCCL for CUDA with feature `nccl`, host staging for the others).
+    pub fn all_reduce<B: Reducible>(&self, data: B, op: ReduceOp) -> Work<B> {
         self.all_reduces.fetch_add(1, Ordering::Relaxed);
-        if self.world_size == 1 {
-            return Work::done(self.rank, Ok(data));
-        }
-        self.submit(move |t| t.all_reduce(&mut data, op).map(|()| data))
+        data.start_all_reduce(self, op)
     }
 
-    /// Starts a broadcast: every rank's buffer becomes `root`'s. Lengths must match.
-    pub fn broadcast<T: DataType>(&self, mut data: Vec<T>, root: usize) -> Work<Vec<T>> {
-        if self.world_size == 1 && root == 0 {
-            return Work::done(self.rank, Ok(data));
-        }
-        self.submit(move |t| t.broadcast(&mut data, root).map(|()| data))
+    /// Starts a broadcast: every rank's buffer (a `Vec` or a `Tensor<1>`) becomes `root`'s.
+    /// Lengths must match.
+    pub fn broadcast<B: Broadcastable>(&self, data: B, root: usize) -> Work<B> {
+        data.start_broadcast(self, root)
     }
 
-    /// Starts an all-gather of byte buffers (lengths may differ); the result is indexed by rank.
-    pub fn all_gather(&self, data: Vec<u8>) -> Work<Vec<Vec<u8>>> {
-        if self.world_size == 1 && data.len() <= self.options.max_gather_bytes {
-            return Work::done(self.rank, Ok(vec![data]));
-        }
-        self.submit(move |t| t.all_gather(&data))
+    /// Starts an all-gather; the result is indexed by rank. Byte buffers (`Vec<u8>`) may differ
+    /// in length between ranks; tensors (`Tensor<1>`) must not.
+    pub fn all_gather<B: Gatherable>(&self, data: B) -> Work<B::Gathered> {
+        data.start_all_gather(self)
     }
 
     /// Starts a barrier: completes once every rank has reached it.
@@ -208,6 +212,8 @@ impl ProcessGroup {
             culprit: None,
             cause: reason.to_string(),
         };
+        #[cfg(feature = "train")]
+        self.devices.abort();
         let cause = self
             .submit(move |t| Ok(t.abort(record)))
             .wait()

@@ -1,15 +1,22 @@
 //! Collective operations over flat buffers: element types, reduction operators, operation
-//! descriptions and the [`Work`] handle of an operation started now and waited for later.
+//! descriptions, the buffers collectives accept and the [`Work`] handle of an operation started
+//! now and waited for later.
 //!
-//! The operations themselves are methods of [`crate::ProcessGroup`]; each transport (TCP here,
-//! NCCL in `burn-ddp-nccl`) lives in a module of its own.
+//! The operations themselves are methods of [`crate::ProcessGroup`], generic over the buffer
+//! ([`Reducible`], [`Broadcastable`], [`Gatherable`]): host vectors travel by the TCP transport
+//! ([`tcp`]); burn tensors by the backend of their device kind (`device`, feature `train`: NCCL
+//! for CUDA from `burn-ddp-nccl`, host staging over TCP for every other device).
 
+mod buffer;
+#[cfg(feature = "train")]
+pub(crate) mod device;
 pub(crate) mod reduce;
 pub(crate) mod tcp;
 mod work;
 
 use half::{bf16, f16};
 
+pub use buffer::{Broadcastable, Gatherable, Reducible};
 pub use work::Work;
 
 /// Element types a collective can carry, with their wire code.

@@ -289,6 +289,8 @@ impl ProcessGroupBuilder {
             jobs: Some(jobs),
             worker: Some(worker),
             all_reduces: AtomicU64::new(0),
+            #[cfg(feature = "train")]
+            devices: Default::default(),
             _server: server,
         })
     }

@@ -142,7 +142,7 @@ impl ModuleMapper for Assign {
             let values = self.data[self.offset..self.offset + n].to_vec();
             self.offset += n;
             let data = TensorData::new(values, shape).convert_dtype(dtype);
-            Tensor::from_data(data, &device).set_require_grad(grad)
+            Tensor::from_data(data, (&device, dtype)).set_require_grad(grad)
         })
     }
 }

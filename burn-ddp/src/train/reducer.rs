@@ -1,13 +1,19 @@
 //! Bucketed gradient all-reduce: gradients are taken from burn's `GradientsParams`, packed into
 //! one flat tensor per bucket on the training device, averaged across ranks, and unpacked.
 //!
-//! Bucket `i`'s reduction runs on the group's collective thread while bucket `i + 1` is packed
-//! and bucket `i - 1` is unpacked. A parameter without a gradient on this rank takes part as
-//! zeros, so all ranks' buckets agree; a presence flag per parameter travels at the end of each
-//! bucket, and a parameter that no rank produced a gradient for stays without one. Last comes
-//! the bucket's [fingerprint](super::fingerprint), checked after every reduction. Buckets are
-//! summed, then the gradients scaled by `1 / world` on the device (flags and fingerprint stay
-//! exact sums).
+//! Each bucket is handed to the process group's tensor all-reduce as soon as it is packed, and
+//! the next bucket is packed while it travels; how it travels is the group's business (the
+//! backend of the device kind, see `collectives::device`). A parameter without a gradient on this rank takes
+//! part as zeros, so all ranks' buckets agree; a presence flag per parameter travels at the end
+//! of each bucket, and a parameter that no rank produced a gradient for stays without one. Last
+//! comes the bucket's [fingerprint](super::fingerprint). Buckets are summed, then the gradients
+//! scaled by `1 / world` on the device (flags and fingerprint stay exact sums).
+//!
+//! The flags and fingerprints of all buckets of a step are read back to the host together,
+//! once the step's last bucket is reduced: one small device-to-host read per step, not one per
+//! bucket (each read waits for the device). It is done in the same step, not one step late,
+//! because a failed fingerprint must stop the step before the optimizer applies gradients that
+//! mix different steps or models.
 //!
 //! Why not overlap with backward: burn 0.22's autodiff runs `backward()` to completion inside one
 //! call and returns `Gradients` only at the end. Its gradient-registration hook (used by burn's
@@ -26,13 +32,12 @@ use super::bucket::{BucketConfig, BucketPlan};
 use super::fingerprint::{FINGERPRINT_LEN, Fingerprint};
 use super::params::{ParamInfo, layout};
 use crate::ProcessGroup;
-use crate::collectives::{ReduceOp, Work};
+use crate::collectives::ReduceOp;
 use crate::error::{DdpError, Result};
 
 /// Averages gradients across the ranks of a group, bucket by bucket.
 pub struct GradientReducer {
     group: Arc<ProcessGroup>,
-    transport: Transport,
     /// Trainable parameters in visit order (bucket plan indices refer to this list).
     params: Vec<ParamInfo>,
     plan: BucketPlan,
@@ -84,8 +89,7 @@ impl ModuleVisitor for Give<'_> {
 }
 
 impl GradientReducer {
-    /// Plans the buckets of `model`'s trainable parameters and picks the transport: NCCL for a
-    /// model on a CUDA device (feature `nccl`), the group's TCP collectives otherwise.
+    /// Plans the buckets of `model`'s trainable parameters.
     pub fn new<M: Module>(
         model: &M,
         group: Arc<ProcessGroup>,
@@ -100,15 +104,8 @@ impl GradientReducer {
             params.len(),
             plan.buckets.len()
         );
-        let device = model.devices().first().cloned().unwrap_or_default();
-        let transport = if group.world_size() == 1 {
-            Transport::Tcp
-        } else {
-            transport(&group, &device)?
-        };
         Ok(GradientReducer {
             group,
-            transport,
             params,
             plan,
             steps: AtomicU64::new(0),
@@ -170,26 +167,22 @@ impl GradientReducer {
             return Ok(grads);
         };
 
-        let mut reduced: Vec<Option<Tensor<1>>> = vec![None; flat.len()];
-        let mut in_flight: Option<(usize, InFlight)> = None;
-        let n = self.plan.buckets.len();
         let at = (epoch, step);
-        let status = self.group.status();
-        let finish = |b: usize, f: InFlight, reduced: &mut [Option<Tensor<1>>]| {
-            status.activity(Some(format!("waits for bucket {} of {n}", b + 1)));
-            let done = f.finish(&device);
-            status.activity(None);
-            self.unpack(b, at, done?, reduced)
-        };
+        let n = self.plan.buckets.len();
+        let mut pending = Vec::with_capacity(n);
         for b in 0..n {
-            let started = self.start(self.pack(b, at, &mut flat, &device))?;
-            if let Some((prev, f)) = in_flight.replace((b, started)) {
-                finish(prev, f, &mut reduced)?;
-            }
+            let packed = self.pack(b, at, &mut flat, &device);
+            pending.push(self.group.all_reduce(packed, ReduceOp::Sum));
         }
-        if let Some((last, f)) = in_flight {
-            finish(last, f, &mut reduced)?;
+        let status = self.group.status();
+        let mut summed = Vec::with_capacity(n);
+        for (b, work) in pending.into_iter().enumerate() {
+            status.activity(Some(format!("waits for bucket {} of {n}", b + 1)));
+            let done = work.wait();
+            status.activity(None);
+            summed.push(done?);
         }
+        let reduced = self.unpack(at, summed)?;
         model.visit(&mut Give {
             grads: &mut grads,
             flat: reduced.into_iter(),
@@ -239,69 +232,51 @@ impl GradientReducer {
         Tensor::cat(parts, 0)
     }
 
-    /// Starts summing a packed bucket across the ranks.
-    fn start(&self, packed: Tensor<1>) -> Result<InFlight> {
-        match &self.transport {
-            Transport::Tcp => {
-                let values = host_f32(packed)?;
-                Ok(InFlight::Tcp(self.group.all_reduce(values, ReduceOp::Sum)))
-            }
-            #[cfg(feature = "nccl")]
-            Transport::Nccl(comm) => comm
-                .all_reduce(packed, burn_ddp_nccl::Reduction::Sum)
-                .map(|t| InFlight::Done(Box::new(t)))
-                .map_err(|e| DdpError::Collective {
-                    rank: self.group.rank(),
-                    op: "NCCL all_reduce of a gradient bucket".into(),
-                    // A failure another rank recorded (e.g. a desync) explains a timeout here.
-                    cause: match self.group.recorded_failure() {
-                        Some(recorded) => format!("{e}; recorded by the group: {recorded}"),
-                        None => e.to_string(),
-                    },
-                    ranks: self.group.status().report(),
-                }),
-        }
-    }
-
-    /// Checks the fingerprint, averages the gradients and hands out those some rank produced.
-    fn unpack(
-        &self,
-        b: usize,
-        at: (usize, usize),
-        summed: Tensor<1>,
-        out: &mut [Option<Tensor<1>>],
-    ) -> Result<()> {
-        let bucket = &self.plan.buckets[b];
-        let n = bucket.params.len();
+    /// Reads every bucket's tail (presence flags and fingerprint) in one device-to-host copy,
+    /// checks the fingerprints, and hands out the averaged gradients some rank produced.
+    fn unpack(&self, at: (usize, usize), summed: Vec<Tensor<1>>) -> Result<Vec<Option<Tensor<1>>>> {
         let world = self.group.world_size();
         let fingerprint = if self.check { FINGERPRINT_LEN } else { 0 };
-        let tail = host_f32(summed.clone().narrow(0, bucket.len, n + fingerprint))?;
-        if self.check
-            && let Err(reason) = self.fingerprint(b, at).check(&tail[n..], world)
-        {
-            let cause = self.group.abort(&reason);
-            return Err(DdpError::Collective {
-                rank: self.group.rank(),
-                op: format!(
-                    "gradient reduction of epoch {} step {} (bucket {} of {})",
-                    at.0,
-                    at.1,
-                    b + 1,
-                    self.plan.buckets.len()
-                ),
-                cause,
-                ranks: self.group.status().report(),
-            });
-        }
-        let grads = summed
-            .narrow(0, 0, bucket.len)
-            .mul_scalar(1.0 / world as f32);
-        for (k, (&p, &offset)) in bucket.params.iter().zip(&bucket.offsets).enumerate() {
-            if tail[k] > 0.0 {
-                out[p] = Some(grads.clone().narrow(0, offset, self.params[p].numel()));
+        let tails: Vec<Tensor<1>> = summed
+            .iter()
+            .zip(&self.plan.buckets)
+            .map(|(t, bucket)| {
+                t.clone()
+                    .narrow(0, bucket.len, bucket.params.len() + fingerprint)
+            })
+            .collect();
+        let tails = host_f32(Tensor::cat(tails, 0))?;
+        let mut out = vec![None; self.params.len()];
+        let mut offset = 0;
+        for (b, (sum, bucket)) in summed.into_iter().zip(&self.plan.buckets).enumerate() {
+            let n = bucket.params.len();
+            let tail = &tails[offset..offset + n + fingerprint];
+            offset += n + fingerprint;
+            if self.check
+                && let Err(reason) = self.fingerprint(b, at).check(&tail[n..], world)
+            {
+                let cause = self.group.abort(&reason);
+                return Err(DdpError::Collective {
+                    rank: self.group.rank(),
+                    op: format!(
+                        "gradient reduction of epoch {} step {} (bucket {} of {})",
+                        at.0,
+                        at.1,
+                        b + 1,
+                        self.plan.buckets.len()
+                    ),
+                    cause,
+                    ranks: self.group.status().report(),
+                });
+            }
+            let grads = sum.narrow(0, 0, bucket.len).mul_scalar(1.0 / world as f32);
+            for (k, (&p, &offset)) in bucket.params.iter().zip(&bucket.offsets).enumerate() {
+                if tail[k] > 0.0 {
+                    out[p] = Some(grads.clone().narrow(0, offset, self.params[p].numel()));
+                }
             }
         }
-        Ok(())
+        Ok(out)
     }
 }
 
@@ -311,92 +286,4 @@ fn host_f32(t: Tensor<1>) -> Result<Vec<f32>> {
         .convert::<f32>()
         .try_into_vec::<f32>()
         .map_err(|e| DdpError::Tensor(format!("{e:?}")))
-}
-
-/// How buckets travel: TCP through the process group (CPU devices), or NCCL on the GPU.
-enum Transport {
-    Tcp,
-    #[cfg(feature = "nccl")]
-    Nccl(burn_ddp_nccl::NcclComm),
-}
-
-/// A bucket's reduction in progress.
-enum InFlight {
-    /// On the group's collective thread; comes back as host values.
-    Tcp(Work<Vec<f32>>),
-    /// Already reduced on the device (NCCL waits for its stream).
-    #[cfg(feature = "nccl")]
-    Done(Box<Tensor<1>>),
-}
-
-impl InFlight {
-    fn finish(self, device: &Device) -> Result<Tensor<1>> {
-        match self {
-            InFlight::Tcp(work) => {
-                let values = work.wait()?;
-                let n = values.len();
-                Ok(Tensor::from_data(TensorData::new(values, [n]), device))
-            }
-            #[cfg(feature = "nccl")]
-            InFlight::Done(t) => Ok(*t),
-        }
-    }
-}
-
-/// Picks NCCL for CUDA devices (feature `nccl`), TCP otherwise.
-#[cfg(feature = "nccl")]
-fn transport(group: &ProcessGroup, device: &Device) -> Result<Transport> {
-    if !burn_ddp_nccl::is_cuda(device) {
-        return Ok(Transport::Tcp);
-    }
-    // Rank 0 creates the NCCL id; the others read it from the store.
-    const KEY: &str = "bddp/nccl/id";
-    let id: [u8; 128] = if group.rank() == 0 {
-        let id = burn_ddp_nccl::unique_id(0).map_err(nccl_error(group, "creating the NCCL id"))?;
-        group.store().set(KEY, &id)?;
-        id
-    } else {
-        let bytes = group.store().get(KEY)?;
-        bytes
-            .as_slice()
-            .try_into()
-            .map_err(|_| DdpError::Rendezvous {
-                rank: group.rank(),
-                reason: format!(
-                    "the NCCL id in the store has {} bytes, not 128",
-                    bytes.len()
-                ),
-            })?
-    };
-    let comm = burn_ddp_nccl::NcclComm::new(
-        group.rank(),
-        group.world_size(),
-        group.local_rank(),
-        &id,
-        group.options().timeout,
-    )
-    .map_err(nccl_error(group, "joining the NCCL communicator"))?;
-    log::info!(
-        "rank {}: gradients travel by NCCL on GPU {}",
-        group.rank(),
-        group.local_rank()
-    );
-    Ok(Transport::Nccl(comm))
-}
-
-#[cfg(feature = "nccl")]
-fn nccl_error(
-    group: &ProcessGroup,
-    what: &'static str,
-) -> impl Fn(burn_ddp_nccl::NcclError) -> DdpError {
-    let rank = group.rank();
-    move |e| DdpError::Rendezvous {
-        rank,
-        reason: format!("{what}: {e}"),
-    }
-}
-
-#[cfg(not(feature = "nccl"))]
-fn transport(_group: &ProcessGroup, _device: &Device) -> Result<Transport> {
-    Ok(Transport::Tcp)
 }

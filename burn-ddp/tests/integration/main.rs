@@ -15,5 +15,6 @@ mod processes;
 mod security;
 mod soak;
 mod store;
+mod tensors;
 mod torchrun;
 mod train;

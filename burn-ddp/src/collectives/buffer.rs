@@ -1,0 +1,69 @@
+//! What the group's collectives accept: host vectors (moved by the TCP transport) and, with the
+//! `train` feature, burn tensors on any device (moved by the backend of their device kind, see
+//! [`device`](super::device)). [`crate::ProcessGroup::all_reduce`] and its siblings are generic
+//! over these traits, so one call serves every kind of buffer, as `torch.distributed` does.
+
+use super::{DataType, Reduce, ReduceOp, Work};
+use crate::ProcessGroup;
+
+pub(crate) mod sealed {
+    /// Keeps the buffer traits closed: the group knows how to move each of them.
+    pub trait Sealed {}
+}
+
+/// A buffer [`ProcessGroup::all_reduce`] can reduce: `Vec<T>` of a [`Reduce`] element type, or
+/// (feature `train`) a flat burn `Tensor<1>` of floats on any device.
+pub trait Reducible: sealed::Sealed + Sized + Send + 'static {
+    /// Starts the all-reduce of `self` over `group` (use [`ProcessGroup::all_reduce`]).
+    #[doc(hidden)]
+    fn start_all_reduce(self, group: &ProcessGroup, op: ReduceOp) -> Work<Self>;
+}
+
+/// A buffer [`ProcessGroup::broadcast`] can send: `Vec<T>` of an element type, or (feature
+/// `train`) a flat burn `Tensor<1>` on any device.
+pub trait Broadcastable: sealed::Sealed + Sized + Send + 'static {
+    /// Starts the broadcast of `self` from `root` (use [`ProcessGroup::broadcast`]).
+    #[doc(hidden)]
+    fn start_broadcast(self, group: &ProcessGroup, root: usize) -> Work<Self>;
+}
+
+/// A buffer [`ProcessGroup::all_gather`] can gather: `Vec<u8>` (lengths may differ between
+/// ranks), or (feature `train`) a flat burn `Tensor<1>` (the same length on every rank).
+pub trait Gatherable: sealed::Sealed + Sized + Send + 'static {
+    /// What the gather returns: every rank's buffer, indexed by rank.
+    type Gathered: Send + 'static;
+    /// Starts the all-gather of `self` (use [`ProcessGroup::all_gather`]).
+    #[doc(hidden)]
+    fn start_all_gather(self, group: &ProcessGroup) -> Work<Self::Gathered>;
+}
+
+impl<T: DataType> sealed::Sealed for Vec<T> {}
+
+impl<T: Reduce> Reducible for Vec<T> {
+    fn start_all_reduce(mut self, group: &ProcessGroup, op: ReduceOp) -> Work<Self> {
+        if group.world_size() == 1 {
+            return Work::done(group.rank(), Ok(self));
+        }
+        group.submit(move |t| t.all_reduce(&mut self, op).map(|()| self))
+    }
+}
+
+impl<T: DataType> Broadcastable for Vec<T> {
+    fn start_broadcast(mut self, group: &ProcessGroup, root: usize) -> Work<Self> {
+        if group.world_size() == 1 && root == 0 {
+            return Work::done(group.rank(), Ok(self));
+        }
+        group.submit(move |t| t.broadcast(&mut self, root).map(|()| self))
+    }
+}
+
+impl Gatherable for Vec<u8> {
+    type Gathered = Vec<Vec<u8>>;
+
+    fn start_all_gather(self, group: &ProcessGroup) -> Work<Vec<Vec<u8>>> {
+        if group.world_size() == 1 && self.len() <= group.options().max_gather_bytes {
+            return Work::done(group.rank(), Ok(vec![self]));
+        }
+        group.submit(move |t| t.all_gather(&self))
+    }
+}
