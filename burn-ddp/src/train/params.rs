@@ -5,7 +5,7 @@
 //! `ParamId`, which is random per process.
 
 use burn::module::{Module, ModuleMapper, ModuleVisitor, Param};
-use burn::tensor::{Tensor, TensorData};
+use burn::tensor::{DType, Tensor};
 
 use crate::ProcessGroup;
 use crate::error::{DdpError, Result};
@@ -128,21 +128,41 @@ impl ModuleVisitor for Collect {
     }
 }
 
+/// Every float tensor of a module, flattened in visit order, on the device it lives on.
+struct Flatten {
+    parts: Vec<Tensor<1>>,
+}
+
+impl ModuleVisitor for Flatten {
+    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+        let t = param.val().inner();
+        let n = t.shape().num_elements();
+        self.parts.push(t.reshape([n]).cast(DType::F32));
+    }
+}
+
+/// Replaces every float tensor with its slice of `flat`, in its own shape and element type.
 struct Assign {
-    data: Vec<f32>,
+    flat: Tensor<1>,
     offset: usize,
 }
 
 impl ModuleMapper for Assign {
     fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
         param.map(|t| {
-            let (shape, dtype, device) = (t.shape(), t.dtype(), t.device());
+            let (dims, dtype, device) = (t.dims(), t.dtype(), t.device());
             let grad = t.is_require_grad();
-            let n = shape.num_elements();
-            let values = self.data[self.offset..self.offset + n].to_vec();
+            let n = t.shape().num_elements();
+            let values = self.flat.clone().narrow(0, self.offset, n);
             self.offset += n;
-            let data = TensorData::new(values, shape).convert_dtype(dtype);
-            Tensor::from_data(data, (&device, dtype)).set_require_grad(grad)
+            let values = values.reshape(dims).cast(dtype);
+            // Back on the autodiff flavour of the device when the parameter was there.
+            let values = if device.is_autodiff() {
+                values.autodiff()
+            } else {
+                values
+            };
+            values.set_require_grad(grad)
         })
     }
 }
@@ -157,10 +177,18 @@ pub fn flat_parameters<M: Module>(module: &M) -> Vec<f32> {
 
 /// Returns `module` with every float tensor (parameters and buffers) replaced by rank 0's
 /// values, so replicas start identical whatever their seeds. Call [`check_agreement`] first.
+///
+/// The values travel as one flat tensor on the module's device, through the group's tensor
+/// broadcast (so by the device's own backend, NCCL on CUDA).
 pub fn broadcast_module<M: Module>(module: M, group: &ProcessGroup) -> Result<M> {
     if group.world_size() == 1 {
         return Ok(module);
     }
-    let data = group.broadcast(flat_parameters(&module), 0).wait()?;
-    Ok(module.map(&mut Assign { data, offset: 0 }))
+    let mut flatten = Flatten { parts: Vec::new() };
+    module.visit(&mut flatten);
+    if flatten.parts.is_empty() {
+        return Ok(module);
+    }
+    let flat = group.broadcast(Tensor::cat(flatten.parts, 0), 0).wait()?;
+    Ok(module.map(&mut Assign { flat, offset: 0 }))
 }

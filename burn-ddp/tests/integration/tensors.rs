@@ -15,7 +15,7 @@ fn tensor(values: Vec<f32>, device: &Device) -> Tensor<1> {
 fn host(t: Tensor<1>) -> Vec<f32> {
     t.into_data()
         .convert::<f32>()
-        .to_vec::<f32>()
+        .try_to_vec::<f32>()
         .expect("f32 values")
 }
 
