@@ -23,6 +23,7 @@ macro_rules! say {
 
 mod exits;
 mod forward;
+mod libraries;
 pub mod output;
 
 use std::ffi::OsString;
@@ -34,6 +35,7 @@ use std::time::{Duration, Instant};
 
 use exits::Exits;
 use forward::Forwarder;
+use libraries::LibraryLinks;
 use output::OutputPlan;
 
 use crate::env::AGENT_STORE_VAR;
@@ -166,9 +168,10 @@ pub fn launch(cfg: &LaunchConfig) -> Result<()> {
         ));
     }
     let forwarder = Forwarder::start()?;
+    let links = LibraryLinks::prepare()?;
     let mut attempt = 0;
     loop {
-        match run_attempt(cfg, &secret, attempt, &forwarder) {
+        match run_attempt(cfg, &secret, attempt, &forwarder, links.as_ref()) {
             Err(DdpError::RankFailed { rank, status })
                 if attempt < cfg.max_restarts && forwarder.received().is_none() =>
             {
@@ -202,6 +205,7 @@ fn run_attempt(
     secret: &JobSecret,
     attempt: usize,
     forwarder: &Forwarder,
+    links: Option<&LibraryLinks>,
 ) -> Result<()> {
     let output = OutputPlan::new(cfg)?;
     // Node 0 serves the store, bound to the master address only.
@@ -239,6 +243,9 @@ fn run_attempt(
             .env(SECRET_VAR, secret.to_env_value())
             .env(AGENT_STORE_VAR, "1")
             .env(RESTART_COUNT_VAR, attempt.to_string());
+        if let Some(links) = links {
+            cmd.env("LD_LIBRARY_PATH", links.library_path());
+        }
         let pipes = match output.attach(&mut cmd, rank, local, attempt) {
             Ok(p) => p,
             Err(e) => {

@@ -74,23 +74,6 @@ fn visible_gpus() -> usize {
         .unwrap_or(0)
 }
 
-/// If NCCL is only installed as `libnccl.so.2` (the pip wheel), links it as `libnccl.so` in a
-/// private directory and returns an `LD_LIBRARY_PATH` for the ranks that includes it.
-fn nccl_library_path() -> Result<Option<String>> {
-    let found = burn_ddp_nccl::library::Located::from_env();
-    let (None, Some(soname)) = (&found.nccl, &found.nccl_soname) else {
-        return Ok(None);
-    };
-    let dir = std::env::temp_dir().join(format!("burn-ddp-nccl-{}", std::process::id()));
-    std::fs::create_dir_all(&dir)?;
-    let link = dir.join("libnccl.so");
-    let _ = std::fs::remove_file(&link);
-    std::os::unix::fs::symlink(soname, &link)
-        .with_context(|| format!("linking {} as {}", soname.display(), link.display()))?;
-    let old = std::env::var("LD_LIBRARY_PATH").unwrap_or_default();
-    Ok(Some(format!("{}:{old}", dir.display())))
-}
-
 /// Runs `multi-gpu`.
 pub fn multi_gpu(task: MultiGpu) -> Result<()> {
     let visible = visible_gpus();
@@ -116,8 +99,5 @@ pub fn multi_gpu(task: MultiGpu) -> Result<()> {
     }
     let mut cfg = task.launch.config(exe, rank_args);
     cfg.nproc_per_node = nproc;
-    if let Some(path) = nccl_library_path()? {
-        cfg = cfg.env("LD_LIBRARY_PATH", path);
-    }
     launch(&cfg).context("multi-gpu run failed")
 }

@@ -22,6 +22,7 @@ use clap::Parser;
 /// Each rank gets the torchrun variables (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE,
 /// MASTER_ADDR, MASTER_PORT); the launcher serves the job's store, prefixes each output line
 /// with its rank, and when a rank fails stops the others and names the one that failed first.
+/// NCCL installed only as libnccl.so.2 (the pip wheel) is linked as libnccl.so for the ranks.
 #[derive(Debug, Parser)]
 #[command(name = "burn-ddp-run", version)]
 #[command(mut_arg("nproc_per_node", |a| a.default_value("1")))]
