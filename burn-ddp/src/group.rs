@@ -12,7 +12,7 @@ use std::sync::mpsc::{self, Sender};
 use std::thread::JoinHandle;
 
 use crate::collectives::tcp::{OpResult, TcpTransport};
-use crate::collectives::{DataType, Reduce, ReduceOp, Work};
+use crate::collectives::{Element, Reduce, ReduceOp, Work};
 use crate::env::LaunchEnv;
 use crate::error::{DdpError, Result};
 use crate::failure::FailureRecord;
@@ -182,7 +182,7 @@ impl ProcessGroup {
     }
 
     /// Starts a broadcast: every rank's buffer becomes `root`'s. Lengths must match.
-    pub fn broadcast<T: DataType>(&self, mut data: Vec<T>, root: usize) -> Work<Vec<T>> {
+    pub fn broadcast<T: Element>(&self, mut data: Vec<T>, root: usize) -> Work<Vec<T>> {
         if self.world_size == 1 && root == 0 {
             return Work::done(self.rank, Ok(data));
         }

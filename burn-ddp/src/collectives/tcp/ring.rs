@@ -10,7 +10,7 @@ use std::sync::Arc;
 use super::engine::Engine;
 use super::schedule::{Schedule, balanced};
 use super::{OpError, OpResult, TcpConfig};
-use crate::collectives::{DType, DataType, OpDesc, OpKind, Reduce, ReduceOp};
+use crate::collectives::{DType, Element, OpDesc, OpKind, Reduce, ReduceOp};
 use crate::error::Result;
 use crate::status::StatusCell;
 
@@ -97,7 +97,7 @@ impl TcpTransport {
     }
 
     /// Pipelined broadcast from `root` along the ring.
-    pub(crate) fn broadcast<T: DataType>(&mut self, data: &mut [T], root: usize) -> OpResult<()> {
+    pub(crate) fn broadcast<T: Element>(&mut self, data: &mut [T], root: usize) -> OpResult<()> {
         let bytes = std::mem::size_of_val(data);
         let op = self.begin(OpKind::Broadcast, T::DTYPE, bytes)?;
         if root >= self.world {
