@@ -6,7 +6,7 @@
 use std::time::{Duration, Instant};
 
 use burn::tensor::{Device, Tensor};
-use burn_ddp_nccl::{NcclComm, Reduction, check_libraries, unique_id};
+use burn_ddp_nccl::{NcclComm, ReduceOp, check_libraries, unique_id};
 use clap::Parser;
 
 const PARTS: usize = 64;
@@ -59,7 +59,7 @@ fn main() {
     });
     let pipeline = time(&device, || {
         let packed = Tensor::cat(grads.clone(), 0);
-        let reduced = comm.all_reduce(packed, Reduction::Avg).expect("all_reduce");
+        let reduced = comm.all_reduce(packed, ReduceOp::Avg).expect("all_reduce");
         let _parts: Vec<Tensor<1>> = (0..PARTS)
             .map(|i| reduced.clone().narrow(0, i * n, n).add_scalar(0.0))
             .collect();

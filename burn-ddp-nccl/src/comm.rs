@@ -13,14 +13,14 @@ use cubecl_runtime::runtime::Runtime;
 use cudarc::driver::{CudaContext, CudaStream};
 
 use crate::error::NcclError;
-use crate::ffi::{self, DataType, RawComm, RedOp};
+use crate::ffi::{self, RawComm, RedOp};
 use crate::library::Located;
 
 type CudaServer = <CudaRuntime as Runtime>::Server;
 
-/// Reductions offered by [`NcclComm::all_reduce`].
+/// How [`NcclComm::all_reduce`] combines the ranks' tensors (as burn-ddp's `ReduceOp`, without `Min`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Reduction {
+pub enum ReduceOp {
     /// Sum.
     Sum,
     /// Average (`ncclAvg`).
@@ -112,7 +112,7 @@ impl NcclComm {
     }
 
     /// All-reduces a flat CUDA tensor (f32, f16 or bf16) in place and returns it.
-    pub fn all_reduce(&self, tensor: Tensor<1>, op: Reduction) -> Result<Tensor<1>, NcclError> {
+    pub fn all_reduce(&self, tensor: Tensor<1>, op: ReduceOp) -> Result<Tensor<1>, NcclError> {
         let buffer = self.buffer(tensor)?;
         self.reduce(&buffer, &buffer, op)?;
         Ok(buffer.into_tensor())
@@ -124,7 +124,7 @@ impl NcclComm {
         &self,
         input: Tensor<1>,
         output: Tensor<1>,
-        op: Reduction,
+        op: ReduceOp,
     ) -> Result<Tensor<1>, NcclError> {
         let (send, recv) = (self.buffer(input)?, self.buffer(output)?);
         if (send.count, send.dtype) != (recv.count, recv.dtype) {
@@ -147,9 +147,9 @@ impl NcclComm {
     /// The tensor's CubeCL buffer, contiguous, finished and pinned.
     fn buffer(&self, tensor: Tensor<1>) -> Result<DeviceBuffer<impl Sized>, NcclError> {
         let dtype = match tensor.dtype() {
-            DType::F32 => DataType::F32,
-            DType::F16 => DataType::F16,
-            DType::BF16 => DataType::BF16,
+            DType::F32 => ffi::DType::F32,
+            DType::F16 => ffi::DType::F16,
+            DType::BF16 => ffi::DType::BF16,
             other => {
                 return Err(self.tensor_error(format!("element type {other:?} is not reduced")));
             }
@@ -179,12 +179,12 @@ impl NcclComm {
         &self,
         send: &DeviceBuffer<P>,
         recv: &DeviceBuffer<Q>,
-        op: Reduction,
+        op: ReduceOp,
     ) -> Result<(), NcclError> {
         let op = match op {
-            Reduction::Sum => RedOp::Sum,
-            Reduction::Avg => RedOp::Avg,
-            Reduction::Max => RedOp::Max,
+            ReduceOp::Sum => RedOp::Sum,
+            ReduceOp::Avg => RedOp::Avg,
+            ReduceOp::Max => RedOp::Max,
         };
         let mut raw = self.raw.lock().unwrap_or_else(|p| p.into_inner());
         raw.all_reduce(
@@ -220,7 +220,7 @@ struct DeviceBuffer<P> {
     /// Keeps the allocation alive and in place until dropped.
     _pin: P,
     count: usize,
-    dtype: DataType,
+    dtype: ffi::DType,
     prim: CubeTensor,
 }
 

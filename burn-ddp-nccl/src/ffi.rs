@@ -50,7 +50,7 @@ pub(crate) fn unique_id() -> Result<[u8; 128], String> {
 
 /// The element types NCCL reduces here.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum DataType {
+pub(crate) enum DType {
     F32,
     F16,
     BF16,
@@ -113,7 +113,7 @@ impl RawComm {
         send: u64,
         recv: u64,
         count: usize,
-        dtype: DataType,
+        dtype: DType,
         op: RedOp,
         stream: cu::CUstream,
         timeout: Duration,
@@ -122,9 +122,9 @@ impl RawComm {
             return Err("the communicator was aborted after an earlier failure".into());
         }
         let dtype = match dtype {
-            DataType::F32 => sys::ncclDataType_t::ncclFloat32,
-            DataType::F16 => sys::ncclDataType_t::ncclFloat16,
-            DataType::BF16 => sys::ncclDataType_t::ncclBfloat16,
+            DType::F32 => sys::ncclDataType_t::ncclFloat32,
+            DType::F16 => sys::ncclDataType_t::ncclFloat16,
+            DType::BF16 => sys::ncclDataType_t::ncclBfloat16,
         };
         let op = match op {
             RedOp::Sum => sys::ncclRedOp_t::ncclSum,

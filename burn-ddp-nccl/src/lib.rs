@@ -22,5 +22,5 @@ mod comm;
 mod ffi;
 
 #[cfg(feature = "cuda")]
-pub use comm::{NcclComm, Reduction, check_libraries, is_cuda, unique_id};
+pub use comm::{NcclComm, ReduceOp, check_libraries, is_cuda, unique_id};
 pub use error::NcclError;

@@ -6,7 +6,7 @@ mod cuda {
     use std::time::Duration;
 
     use burn::tensor::{DType, Device, Tensor, TensorData};
-    use burn_ddp_nccl::{NcclComm, NcclError, Reduction, check_libraries, unique_id};
+    use burn_ddp_nccl::{NcclComm, NcclError, ReduceOp, check_libraries, unique_id};
 
     /// Skips (with the reason printed) unless libcuda and libnccl load.
     fn libraries_or_skip(test: &str) -> bool {
@@ -67,7 +67,7 @@ mod cuda {
                 );
                 let zeros = Tensor::<1>::zeros([n], &device).cast(dtype);
                 let out = comm
-                    .all_reduce_into(input.clone(), zeros, Reduction::Sum)
+                    .all_reduce_into(input.clone(), zeros, ReduceOp::Sum)
                     .unwrap();
                 let got = out
                     .into_data()
@@ -75,7 +75,7 @@ mod cuda {
                     .try_to_vec::<f32>()
                     .unwrap();
                 assert_eq!(got, values, "{dtype:?} n = {n}, out of place");
-                let again = comm.all_reduce(input, Reduction::Avg).unwrap();
+                let again = comm.all_reduce(input, ReduceOp::Avg).unwrap();
                 let got = again
                     .into_data()
                     .convert::<f32>()

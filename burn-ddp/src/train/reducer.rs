@@ -248,7 +248,7 @@ impl GradientReducer {
             }
             #[cfg(feature = "nccl")]
             Transport::Nccl(comm) => comm
-                .all_reduce(packed, burn_ddp_nccl::Reduction::Sum)
+                .all_reduce(packed, burn_ddp_nccl::ReduceOp::Sum)
                 .map(|t| InFlight::Done(Box::new(t)))
                 .map_err(|e| DdpError::Collective {
                     rank: self.group.rank(),
