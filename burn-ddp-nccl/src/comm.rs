@@ -18,7 +18,8 @@ use crate::library::Located;
 
 type CudaServer = <CudaRuntime as Runtime>::Server;
 
-/// How [`NcclComm::all_reduce`] combines the ranks' tensors (as burn-ddp's `ReduceOp`, without `Min`).
+/// How [`NcclComm::all_reduce`] combines the ranks' tensors (as burn-ddp's `ReduceOp`,
+/// without `Min`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum ReduceOp {
     /// Sum.
