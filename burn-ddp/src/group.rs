@@ -11,7 +11,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc::{self, Sender};
 use std::thread::JoinHandle;
 
-use crate::collectives::tcp::TcpTransport;
+use crate::collectives::tcp::{OpResult, TcpTransport};
 use crate::collectives::{Broadcastable, Gatherable, ReduceOp, Reducible, Work};
 use crate::env::LaunchEnv;
 use crate::error::{DdpError, Result};
@@ -21,11 +21,12 @@ use crate::store::{Store, StoreServer};
 
 mod builder;
 mod init;
+mod worker;
 
 pub use builder::{GroupOptions, ProcessGroupBuilder};
 pub use init::{init_process_group, init_process_group_with};
-
-type Job = Box<dyn FnOnce(&mut TcpTransport) + Send>;
+use worker::Job;
+pub(crate) use worker::Worker;
 
 /// A connected group of ranks, as PyTorch's default process group. In a world of one,
 /// collectives complete at once on the calling thread.
@@ -151,10 +152,20 @@ impl ProcessGroup {
         &self.options
     }
 
-    /// Queues `job` on the collective thread, after every collective issued before it.
+    /// Queues a transport operation on the collective thread, after every collective issued
+    /// before it; a failure becomes the group's error on the worker.
     pub(crate) fn submit<T: Send + 'static>(
         &self,
-        job: impl FnOnce(&mut TcpTransport) -> Result<T> + Send + 'static,
+        job: impl FnOnce(&mut TcpTransport) -> OpResult<T> + Send + 'static,
+    ) -> Work<T> {
+        self.on_worker(move |w| w.run(job))
+    }
+
+    /// Queues `job` on the collective thread, with the whole worker (the transport, and the
+    /// group's failure agreement) at hand.
+    pub(crate) fn on_worker<T: Send + 'static>(
+        &self,
+        job: impl FnOnce(&mut Worker) -> Result<T> + Send + 'static,
     ) -> Work<T> {
         let (tx, rx) = mpsc::sync_channel(1);
         let boxed: Job = Box::new(move |t| {
@@ -215,7 +226,7 @@ impl ProcessGroup {
         #[cfg(feature = "train")]
         self.devices.abort();
         let cause = self
-            .submit(move |t| Ok(t.abort(record)))
+            .on_worker(move |w| Ok(w.abort(record)))
             .wait()
             .unwrap_or_else(|e| e.to_string());
         crate::elastic::record_error_with(|| {
@@ -249,7 +260,7 @@ impl Drop for ProcessGroup {
                 ),
             };
             crate::elastic::record_error(&record.cause);
-            let _ = self.submit(move |t| Ok(t.abort(record)));
+            let _ = self.on_worker(move |w| Ok(w.abort(record)));
         }
         self.jobs.take();
         if let Some(w) = self.worker.take() {

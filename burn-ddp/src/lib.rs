@@ -47,7 +47,7 @@ pub mod train;
 mod wire;
 
 pub use collectives::{
-    Broadcastable, DType, DataType, Gatherable, OpDesc, OpKind, Reduce, ReduceOp, Reducible, Work,
+    Broadcastable, DType, Element, Gatherable, OpDesc, OpKind, Reduce, ReduceOp, Reducible, Work,
 };
 pub use error::{DdpError, Result};
 pub use group::{

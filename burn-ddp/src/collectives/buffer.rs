@@ -3,7 +3,7 @@
 //! [`device`](super::device)). [`crate::ProcessGroup::all_reduce`] and its siblings are generic
 //! over these traits, so one call serves every kind of buffer, as `torch.distributed` does.
 
-use super::{DataType, Reduce, ReduceOp, Work};
+use super::{Element, Reduce, ReduceOp, Work};
 use crate::ProcessGroup;
 
 pub(crate) mod sealed {
@@ -37,7 +37,7 @@ pub trait Gatherable: sealed::Sealed + Sized + Send + 'static {
     fn start_all_gather(self, group: &ProcessGroup) -> Work<Self::Gathered>;
 }
 
-impl<T: DataType> sealed::Sealed for Vec<T> {}
+impl<T: Element> sealed::Sealed for Vec<T> {}
 
 impl<T: Reduce> Reducible for Vec<T> {
     fn start_all_reduce(mut self, group: &ProcessGroup, op: ReduceOp) -> Work<Self> {
@@ -48,7 +48,7 @@ impl<T: Reduce> Reducible for Vec<T> {
     }
 }
 
-impl<T: DataType> Broadcastable for Vec<T> {
+impl<T: Element> Broadcastable for Vec<T> {
     fn start_broadcast(mut self, group: &ProcessGroup, root: usize) -> Work<Self> {
         if group.world_size() == 1 && root == 0 {
             return Work::done(group.rank(), Ok(self));

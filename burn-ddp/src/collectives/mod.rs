@@ -19,7 +19,8 @@ use half::{bf16, f16};
 pub use buffer::{Broadcastable, Gatherable, Reducible};
 pub use work::Work;
 
-/// Element types a collective can carry, with their wire code.
+/// The [`Element`] types a collective can carry, as a value: named in messages and sent as a
+/// wire code.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[repr(u8)]
 pub enum DType {
@@ -64,33 +65,34 @@ impl DType {
     }
 }
 
-/// A plain element type that collectives can move (`broadcast`).
-pub trait DataType: bytemuck::Pod + Send + Sync + 'static {
+/// A plain element type that collectives can move (`broadcast`); [`DType`] names it at run
+/// time.
+pub trait Element: bytemuck::Pod + Send + Sync + 'static {
     /// Its wire code.
     const DTYPE: DType;
 }
 
 /// An element type that can be reduced (`all_reduce`).
-pub trait Reduce: DataType {
+pub trait Reduce: Element {
     /// `acc[i] = acc[i] (op) other[i]`. Sum and average both add here.
     fn combine(acc: &mut [Self], other: &[Self], op: ReduceOp);
     /// `data[i] /= divisor` (the last step of an average).
     fn divide(data: &mut [Self], divisor: usize);
 }
 
-impl DataType for u8 {
+impl Element for u8 {
     const DTYPE: DType = DType::U8;
 }
-impl DataType for f16 {
+impl Element for f16 {
     const DTYPE: DType = DType::F16;
 }
-impl DataType for bf16 {
+impl Element for bf16 {
     const DTYPE: DType = DType::BF16;
 }
-impl DataType for f32 {
+impl Element for f32 {
     const DTYPE: DType = DType::F32;
 }
-impl DataType for f64 {
+impl Element for f64 {
     const DTYPE: DType = DType::F64;
 }
 

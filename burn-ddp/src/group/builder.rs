@@ -5,10 +5,9 @@
 use std::net::ToSocketAddrs;
 use std::sync::Arc;
 use std::sync::atomic::AtomicU64;
-use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
-use super::{Job, ProcessGroup};
+use super::{ProcessGroup, Worker};
 use crate::collectives::tcp::{TcpConfig, TcpTransport, mesh};
 use crate::env::DEFAULT_MASTER_PORT;
 use crate::error::{DdpError, Result};
@@ -257,7 +256,6 @@ impl ProcessGroupBuilder {
             rank,
             world_size,
             streams,
-            store.clone(),
             status.cell(),
             TcpConfig {
                 timeout: options.timeout,
@@ -266,17 +264,7 @@ impl ProcessGroupBuilder {
                 spin: options.spin,
             },
         )?;
-        let (jobs, rx) = mpsc::channel::<Job>();
-        let worker = std::thread::Builder::new()
-            .name(format!("burn-ddp-rank{rank}"))
-            .spawn(move || {
-                let mut transport = transport;
-                for job in rx {
-                    job(&mut transport);
-                }
-                transport.leave();
-            })
-            .map_err(|e| DdpError::io("starting the collective thread", e))?;
+        let (jobs, worker) = Worker::spawn(rank, transport, store.clone(), status.cell())?;
         log::info!("rank {rank}: joined a group of {world_size} through the store at {store_addr}");
         Ok(ProcessGroup {
             rank,

@@ -17,8 +17,9 @@ use std::sync::{Arc, Mutex};
 
 use burn::data::dataset::{Dataset, DatasetError};
 
-/// An epoch and how many positions of its order are skipped.
-type Position = (usize, usize);
+/// An epoch and how many positions of its order are skipped (not a checkpoint's
+/// [`Position`](super::Position), which also counts batches and the world size).
+type EpochCursor = (usize, usize);
 
 /// Decides which samples each rank sees. Cloning shares the epoch counter.
 #[derive(Debug, Clone)]
@@ -110,18 +111,18 @@ impl DistributedSampler {
 
     /// This rank's dataset indices for the current epoch (past the skipped part), in order.
     pub fn indices(&self, len: usize) -> Vec<usize> {
-        self.indices_for(len, self.position())
+        self.indices_for(len, self.cursor())
     }
 
     /// The current epoch and how many of its positions are skipped.
-    fn position(&self) -> Position {
+    fn cursor(&self) -> EpochCursor {
         (
             self.epoch.load(Ordering::Acquire),
             self.skip.load(Ordering::Acquire),
         )
     }
 
-    fn indices_for(&self, len: usize, (epoch, skip): Position) -> Vec<usize> {
+    fn indices_for(&self, len: usize, (epoch, skip): EpochCursor) -> Vec<usize> {
         let mut order: Vec<usize> = (0..len).collect();
         if self.shuffle {
             let mut state = self.seed.wrapping_add(epoch as u64);
@@ -165,19 +166,19 @@ pub struct DistributedDataset<D, I> {
     sampler: DistributedSampler,
     inner: D,
     /// Indices of the last (epoch, skip) asked for.
-    cache: Mutex<Option<(Position, Arc<Vec<usize>>)>>,
+    cache: Mutex<Option<(EpochCursor, Arc<Vec<usize>>)>>,
     _item: PhantomData<fn() -> I>,
 }
 
 impl<D: Dataset<I>, I> DistributedDataset<D, I> {
     fn indices(&self) -> Arc<Vec<usize>> {
-        let position = self.sampler.position();
+        let cursor = self.sampler.cursor();
         let mut cache = self.cache.lock().unwrap_or_else(|p| p.into_inner());
         match &*cache {
-            Some((p, idx)) if *p == position => idx.clone(),
+            Some((p, idx)) if *p == cursor => idx.clone(),
             _ => {
-                let idx = Arc::new(self.sampler.indices_for(self.inner.len(), position));
-                *cache = Some((position, idx.clone()));
+                let idx = Arc::new(self.sampler.indices_for(self.inner.len(), cursor));
+                *cache = Some((cursor, idx.clone()));
                 idx
             }
         }

@@ -8,11 +8,9 @@ use burn::tensor::Tensor;
 use burn_ddp_nccl::{NcclComm, NcclError, Pending};
 
 use super::invalid;
-use crate::ProcessGroup;
 use crate::collectives::{ReduceOp, Work};
 use crate::error::{DdpError, Result};
-use crate::failure::FailureRecord;
-use crate::status::StatusCell;
+use crate::group::{ProcessGroup, Worker};
 
 /// The store key of the NCCL id (under the group's prefix for this attempt).
 const ID_KEY: &str = "bddp/nccl/id";
@@ -98,11 +96,11 @@ pub(super) fn all_gather(
     comm: &NcclComm,
     tensor: Tensor<1>,
 ) -> Work<Vec<Tensor<1>>> {
-    let (rank, world, status) = (group.rank(), group.world_size(), group.status().cell());
+    let (rank, world) = (group.rank(), group.world_size());
     let n = tensor.shape().num_elements();
     let started = comm.start_all_gather(tensor);
-    group.submit(move |t| {
-        let lengths = t.all_gather(&(n as u64).to_le_bytes())?;
+    group.on_worker(move |w| {
+        let lengths = w.run(|t| t.all_gather(&(n as u64).to_le_bytes()))?;
         if let Some(other) = lengths
             .iter()
             .position(|l| l[..] != (n as u64).to_le_bytes())
@@ -113,7 +111,7 @@ pub(super) fn all_gather(
             );
             return Err(invalid(rank, "all_gather", reason));
         }
-        let all = wait(t, rank, &status, "all_gather", started)?;
+        let all = wait(w, "all_gather", started)?;
         Ok((0..world)
             .map(|r| all.clone().narrow(0, r * n, n))
             .collect())
@@ -127,30 +125,17 @@ fn finish<T: Send + 'static>(
     started: std::result::Result<Pending, NcclError>,
     then: impl FnOnce(Tensor<1>) -> T + Send + 'static,
 ) -> Work<T> {
-    let (rank, status) = (group.rank(), group.status().cell());
-    group.submit(move |t| wait(t, rank, &status, op, started).map(then))
+    group.on_worker(move |w| wait(w, op, started).map(then))
 }
 
-/// Waits for a started collective; a failure stops the group on every rank.
+/// Waits for a started collective; a failure (NCCL's error, or its timeout, after which the
+/// communicator is aborted) stops the group on every rank.
 fn wait(
-    t: &mut crate::collectives::tcp::TcpTransport,
-    rank: usize,
-    status: &StatusCell,
+    w: &mut Worker,
     op: &'static str,
     started: std::result::Result<Pending, NcclError>,
 ) -> Result<Tensor<1>> {
-    let result = started.and_then(Pending::wait);
-    result.map_err(|e| {
-        let detail = e.to_string();
-        let cause = t.abort(FailureRecord {
-            culprit: Some(rank),
-            cause: format!("NCCL {op} failed on rank {rank}: {detail}"),
-        });
-        DdpError::Collective {
-            rank,
-            op: format!("NCCL {op}"),
-            cause,
-            ranks: status.report(),
-        }
-    })
+    started
+        .and_then(Pending::wait)
+        .map_err(|e| w.fail_here(format!("NCCL {op}"), e.to_string()))
 }

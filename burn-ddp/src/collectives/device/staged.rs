@@ -10,26 +10,24 @@ use burn::tensor::{DType, Tensor, TensorData};
 use half::{bf16, f16};
 
 use super::invalid;
-use crate::ProcessGroup;
-use crate::collectives::tcp::TcpTransport;
 use crate::collectives::{Reduce, ReduceOp, Work};
-use crate::error::{DdpError, Result};
-use crate::failure::FailureRecord;
+use crate::error::Result;
+use crate::group::{ProcessGroup, Worker};
 
 /// Starts the all-reduce of a float tensor through the host.
 pub(super) fn all_reduce(group: &ProcessGroup, tensor: Tensor<1>, op: ReduceOp) -> Work<Tensor<1>> {
-    let rank = group.rank();
-    group.submit(move |t| {
+    group.on_worker(move |w| {
         let (device, dtype) = (tensor.device(), tensor.dtype());
-        let mut data = read_back(t, rank, "all_reduce", tensor)?;
-        match data.dtype() {
-            DType::F32 => reduce::<f32>(t, rank, &mut data, op)?,
-            DType::F64 => reduce::<f64>(t, rank, &mut data, op)?,
-            DType::F16 => reduce::<f16>(t, rank, &mut data, op)?,
-            DType::BF16 => reduce::<bf16>(t, rank, &mut data, op)?,
+        let mut data = read_back(w, "all_reduce", tensor)?;
+        match dtype {
+            DType::F32 => reduce::<f32>(w, &mut data, op)?,
+            DType::F64 => reduce::<f64>(w, &mut data, op)?,
+            DType::F16 => reduce::<f16>(w, &mut data, op)?,
+            DType::BF16 => reduce::<bf16>(w, &mut data, op)?,
             other => {
-                let reason = format!("element type {other:?} cannot be reduced");
-                return Err(stop(t, rank, invalid(rank, "all_reduce", reason)));
+                let cause =
+                    format!("all_reduce of a tensor: element type {other:?} cannot be reduced");
+                return Err(w.fail_here("all_reduce of a tensor".into(), cause));
             }
         }
         Ok(Tensor::from_data(data, (&device, dtype)))
@@ -38,13 +36,12 @@ pub(super) fn all_reduce(group: &ProcessGroup, tensor: Tensor<1>, op: ReduceOp) 
 
 /// Starts the broadcast of a tensor from `root` through the host.
 pub(super) fn broadcast(group: &ProcessGroup, tensor: Tensor<1>, root: usize) -> Work<Tensor<1>> {
-    let rank = group.rank();
-    group.submit(move |t| {
-        let device = tensor.device();
-        let data = read_back(t, rank, "broadcast", tensor)?;
-        let (shape, dtype) = (data.shape().clone(), data.dtype());
+    group.on_worker(move |w| {
+        let (device, dtype) = (tensor.device(), tensor.dtype());
+        let data = read_back(w, "broadcast", tensor)?;
+        let shape = data.shape().clone();
         let mut bytes = data.as_bytes().to_vec();
-        t.broadcast(&mut bytes, root)?;
+        w.run(|t| t.broadcast(&mut bytes, root))?;
         let data = TensorData::from_bytes_vec(bytes, shape, dtype);
         Ok(Tensor::from_data(data, (&device, dtype)))
     })
@@ -54,11 +51,11 @@ pub(super) fn broadcast(group: &ProcessGroup, tensor: Tensor<1>, root: usize) ->
 /// must give the same length and element type.
 pub(super) fn all_gather(group: &ProcessGroup, tensor: Tensor<1>) -> Work<Vec<Tensor<1>>> {
     let rank = group.rank();
-    group.submit(move |t| {
-        let device = tensor.device();
-        let data = read_back(t, rank, "all_gather", tensor)?;
-        let (shape, dtype) = (data.shape().clone(), data.dtype());
-        let all = t.all_gather(data.as_bytes())?;
+    group.on_worker(move |w| {
+        let (device, dtype) = (tensor.device(), tensor.dtype());
+        let data = read_back(w, "all_gather", tensor)?;
+        let shape = data.shape().clone();
+        let all = w.run(|t| t.all_gather(data.as_bytes()))?;
         let mine = data.as_bytes().len();
         if let Some(other) = all.iter().position(|b| b.len() != mine) {
             let reason = format!(
@@ -71,45 +68,36 @@ pub(super) fn all_gather(group: &ProcessGroup, tensor: Tensor<1>) -> Work<Vec<Te
         Ok(all
             .into_iter()
             .map(|b| {
-                Tensor::from_data(TensorData::from_bytes_vec(b, shape.clone(), dtype), &device)
+                let data = TensorData::from_bytes_vec(b, shape.clone(), dtype);
+                Tensor::from_data(data, (&device, dtype))
             })
             .collect())
     })
 }
 
-/// The tensor's values on the host (waits for the kernels that produce it).
-fn read_back(t: &mut TcpTransport, rank: usize, op: &str, tensor: Tensor<1>) -> Result<TensorData> {
+/// The tensor's values on the host (waits for the kernels that produce it). A failure stops
+/// the group, so the peers do not wait for this rank.
+fn read_back(w: &mut Worker, op: &str, tensor: Tensor<1>) -> Result<TensorData> {
     tensor.try_into_data().map_err(|e| {
-        let reason = format!("reading the tensor back from its device failed: {e:?}");
-        stop(t, rank, invalid(rank, op, reason))
+        let cause = format!("reading a tensor back from its device failed: {e:?}");
+        w.fail_here(format!("{op} of a tensor"), cause)
     })
 }
 
 /// Sums (or as `op` says) `data`, of element type `T`, across the ranks.
 fn reduce<T: Reduce + burn::tensor::Element>(
-    t: &mut TcpTransport,
-    rank: usize,
+    w: &mut Worker,
     data: &mut TensorData,
     op: ReduceOp,
 ) -> Result<()> {
     match data.as_mut_slice::<T>() {
-        Ok(values) => t.all_reduce(values, op),
+        Ok(values) => w.run(|t| t.all_reduce(values, op)),
         Err(e) => {
-            let reason = format!(
-                "the tensor's data cannot be read as {}: {e:?}",
+            let cause = format!(
+                "a tensor's data cannot be read as {}: {e:?}",
                 T::DTYPE.name()
             );
-            Err(stop(t, rank, invalid(rank, "all_reduce", reason)))
+            Err(w.fail_here("all_reduce of a tensor".into(), cause))
         }
     }
-}
-
-/// Stops the group for an error found on this rank before its peers could see it, so they
-/// fail with it instead of waiting; returns the error.
-fn stop(t: &mut TcpTransport, rank: usize, error: DdpError) -> DdpError {
-    t.abort(FailureRecord {
-        culprit: Some(rank),
-        cause: error.to_string(),
-    });
-    error
 }

@@ -1,0 +1,210 @@
+//! The collectives of the TCP transport as ring algorithms: each operation is numbered, checked
+//! and turned into a [`Schedule`] (which byte ranges go to the successor and come from the
+//! predecessor, and which are reduced), then run by the socket [`Engine`].
+//!
+//! All-reduce is a ring reduce-scatter followed by a ring all-gather; broadcast is a pipelined
+//! chain from the root; all-gather and barrier are ring all-gathers (a barrier of empty blocks).
+
+use std::sync::Arc;
+
+use super::engine::Engine;
+use super::schedule::{Schedule, balanced};
+use super::{OpError, OpResult, TcpConfig};
+use crate::collectives::{DType, Element, OpDesc, OpKind, Reduce, ReduceOp};
+use crate::error::Result;
+use crate::status::StatusCell;
+
+/// One rank's end of the data plane.
+pub(crate) struct TcpTransport {
+    rank: usize,
+    world: usize,
+    engine: Engine,
+    chunk_bytes: usize,
+    max_gather_bytes: usize,
+    status: Arc<StatusCell>,
+    next_seq: u64,
+    /// An operation failed or the group closed the connections: every later one is refused.
+    broken: bool,
+}
+
+impl TcpTransport {
+    /// Takes over the connected streams from [`super::mesh::connect`].
+    pub(crate) fn new(
+        rank: usize,
+        world: usize,
+        streams: Vec<Option<std::net::TcpStream>>,
+        status: Arc<StatusCell>,
+        config: TcpConfig,
+    ) -> Result<Self> {
+        let engine = Engine::new(rank, world, streams, config.timeout, config.spin)?;
+        Ok(TcpTransport {
+            rank,
+            world,
+            engine,
+            chunk_bytes: config.chunk_bytes,
+            max_gather_bytes: config.max_gather_bytes,
+            status,
+            next_seq: 0,
+            broken: false,
+        })
+    }
+
+    /// Numbers the next operation, or refuses it if the transport is broken.
+    fn begin(&mut self, kind: OpKind, dtype: DType, bytes: usize) -> OpResult<OpDesc> {
+        let op = OpDesc {
+            kind,
+            seq: self.next_seq,
+            dtype,
+            bytes: bytes as u64,
+        };
+        self.next_seq += 1;
+        if self.broken {
+            return Err(OpError::Refused { op });
+        }
+        Ok(op)
+    }
+
+    fn chunk_for(&self, elem: usize) -> usize {
+        (self.chunk_bytes / elem).max(1) * elem
+    }
+
+    /// Ring all-reduce (reduce-scatter then all-gather). The reduction order is fixed by the
+    /// ring, and each element is reduced on one rank only, so results are bit-identical.
+    pub(crate) fn all_reduce<T: Reduce>(&mut self, data: &mut [T], op: ReduceOp) -> OpResult<()> {
+        let bytes = std::mem::size_of_val(data);
+        let desc = self.begin(OpKind::AllReduce, T::DTYPE, bytes)?;
+        let n = self.world;
+        if n == 1 {
+            return Ok(());
+        }
+        let elem = size_of::<T>();
+        let segments = balanced(data.len(), n, elem);
+        let sched = Schedule::ring(
+            &segments,
+            self.rank,
+            n - 1,
+            2 * (n - 1),
+            self.chunk_for(elem),
+        );
+        let mut reduce = |acc: &mut [u8], other: &[u8], last: bool| {
+            let acc: &mut [T] = bytemuck::cast_slice_mut(acc);
+            T::combine(acc, bytemuck::cast_slice(other), op);
+            if last && op == ReduceOp::Avg {
+                T::divide(acc, n);
+            }
+        };
+        self.execute(&desc, bytemuck::cast_slice_mut(data), &sched, &mut reduce)
+    }
+
+    /// Pipelined broadcast from `root` along the ring.
+    pub(crate) fn broadcast<T: Element>(&mut self, data: &mut [T], root: usize) -> OpResult<()> {
+        let bytes = std::mem::size_of_val(data);
+        let op = self.begin(OpKind::Broadcast, T::DTYPE, bytes)?;
+        if root >= self.world {
+            let reason = format!("root {root} >= world size {}", self.world);
+            return Err(OpError::Invalid { op, reason });
+        }
+        if self.world == 1 {
+            return Ok(());
+        }
+        let sched = Schedule::chain(bytes, self.rank, self.world, root, self.chunk_for(1));
+        let buf = bytemuck::cast_slice_mut(data);
+        self.execute(&op, buf, &sched, &mut |_, _, _| {})
+    }
+
+    /// Gathers every rank's bytes (lengths may differ) into a list indexed by rank.
+    pub(crate) fn all_gather(&mut self, data: &[u8]) -> OpResult<Vec<Vec<u8>>> {
+        let n = self.world;
+        let mut sizes = vec![0u64; n];
+        sizes[self.rank] = data.len() as u64;
+        self.ring_gather(OpKind::AllGatherSizes, &mut sizes, 1)?;
+        let total = sizes.iter().fold(0u64, |a, s| a.saturating_add(*s));
+        let op = self.begin(
+            OpKind::AllGather,
+            DType::U8,
+            total.min(usize::MAX as u64) as usize,
+        )?;
+        // Every rank sees the same sizes, so every rank refuses alike and stays in step.
+        if total > self.max_gather_bytes as u64 {
+            let reason = format!(
+                "ranks send {total} bytes in all ({sizes:?}), above the limit of {} bytes",
+                self.max_gather_bytes
+            );
+            return Err(OpError::Invalid { op, reason });
+        }
+        let mut out = vec![0u8; total as usize];
+        let mut bounds = Vec::with_capacity(n);
+        let mut start = 0usize;
+        for s in &sizes {
+            bounds.push(start..start + *s as usize);
+            start += *s as usize;
+        }
+        out[bounds[self.rank].clone()].copy_from_slice(data);
+        if n > 1 {
+            let sched = Schedule::ring(&bounds, self.rank, 0, n - 1, self.chunk_for(1));
+            self.execute(&op, &mut out, &sched, &mut |_, _, _| {})?;
+        }
+        Ok(bounds.into_iter().map(|b| out[b].to_vec()).collect())
+    }
+
+    /// Returns once every rank has entered the barrier.
+    pub(crate) fn barrier(&mut self) -> OpResult<()> {
+        self.ring_gather(OpKind::Barrier, &mut [], 0)
+    }
+
+    /// All-gather of fixed-size blocks of `u64`s, `per_rank` each.
+    fn ring_gather(&mut self, kind: OpKind, blocks: &mut [u64], per_rank: usize) -> OpResult<()> {
+        let op = self.begin(kind, DType::U8, blocks.len() * 8)?;
+        if self.world == 1 {
+            return Ok(());
+        }
+        let bounds = balanced(self.world * per_rank, self.world, 8);
+        let sched = Schedule::ring(&bounds, self.rank, 0, self.world - 1, self.chunk_for(8));
+        let buf = bytemuck::cast_slice_mut(blocks);
+        self.execute(&op, buf, &sched, &mut |_, _, _| {})
+    }
+
+    /// Runs a schedule, publishing the operation as this rank's current collective. A failure
+    /// breaks the transport (later operations are refused) but leaves the connections open:
+    /// the group records the root cause first, then calls [`TcpTransport::close`]. The failed
+    /// operation stays published as this rank's collective, so that the group's report of
+    /// where the ranks were shows it; the group clears it ([`TcpTransport::clear_status`]).
+    fn execute(
+        &mut self,
+        op: &OpDesc,
+        buf: &mut [u8],
+        sched: &Schedule,
+        reduce: &mut super::engine::ReduceFn<'_>,
+    ) -> OpResult<()> {
+        self.status.update(|s| s.collective = Some(op.to_string()));
+        match self.engine.run(op, buf, sched, reduce) {
+            Ok(()) => {
+                self.clear_status();
+                Ok(())
+            }
+            Err(failure) => {
+                self.broken = true;
+                Err(OpError::Peer(failure))
+            }
+        }
+    }
+
+    /// Publishes that this rank runs no collective.
+    pub(crate) fn clear_status(&self) {
+        self.status.update(|s| s.collective = None);
+    }
+
+    /// Closes every connection, so the peers notice at once, and refuses every later operation.
+    pub(crate) fn close(&mut self) {
+        self.broken = true;
+        self.engine.close();
+    }
+
+    /// Tells every peer this rank leaves cleanly, then closes the connections (nothing to say
+    /// when the transport is broken: the peers know already).
+    pub(crate) fn leave(&mut self) {
+        if !self.broken {
+            self.engine.leave();
+        }
+    }
+}

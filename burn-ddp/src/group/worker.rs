@@ -1,0 +1,163 @@
+//! The collective thread: runs the group's operations on the transport one at a time, in the
+//! order they were issued, and turns what the transport reports into the group's errors.
+//!
+//! A failed operation is where the group agrees on the root cause: the transport names the peer
+//! it saw fail, this thread records that in the store unless another rank recorded a failure
+//! first ([`FailureRecord::agree`]), and only then closes the connections, so the neighbours
+//! that notice the close find the root cause already recorded and every rank's error names the
+//! rank that failed first.
+
+use std::sync::Arc;
+use std::sync::mpsc::{self, Sender};
+use std::thread::JoinHandle;
+
+use crate::collectives::tcp::{OpError, OpResult, PeerFailure, TcpTransport};
+use crate::error::{DdpError, Result};
+use crate::failure::FailureRecord;
+use crate::status::StatusCell;
+use crate::store::Store;
+
+/// An operation queued for the collective thread.
+pub(super) type Job = Box<dyn FnOnce(&mut Worker) + Send>;
+
+/// The collective thread's state: the transport and what the group agreed went wrong.
+pub(crate) struct Worker {
+    rank: usize,
+    transport: TcpTransport,
+    store: Arc<Store>,
+    status: Arc<StatusCell>,
+    /// The group's agreed failure, once there is one.
+    failed: Option<String>,
+}
+
+impl Worker {
+    /// Starts the collective thread of `rank`; it runs the jobs sent to the returned queue and,
+    /// once the queue closes, tells the peers this rank leaves.
+    pub(super) fn spawn(
+        rank: usize,
+        transport: TcpTransport,
+        store: Arc<Store>,
+        status: Arc<StatusCell>,
+    ) -> Result<(Sender<Job>, JoinHandle<()>)> {
+        let (jobs, rx) = mpsc::channel::<Job>();
+        let mut worker = Worker {
+            rank,
+            transport,
+            store,
+            status,
+            failed: None,
+        };
+        let handle = std::thread::Builder::new()
+            .name(format!("burn-ddp-rank{rank}"))
+            .spawn(move || {
+                for job in rx {
+                    job(&mut worker);
+                }
+                worker.transport.leave();
+            })
+            .map_err(|e| DdpError::io("starting the collective thread", e))?;
+        Ok((jobs, handle))
+    }
+
+    /// Runs one transport operation; its failure becomes the group's error.
+    pub(crate) fn run<T>(
+        &mut self,
+        op: impl FnOnce(&mut TcpTransport) -> OpResult<T>,
+    ) -> Result<T> {
+        op(&mut self.transport).map_err(|e| match e {
+            OpError::Peer(failure) => self.fail(failure),
+            OpError::Invalid { op, reason } => DdpError::InvalidArgument {
+                rank: self.rank,
+                op: op.to_string(),
+                reason,
+            },
+            OpError::Refused { op } => DdpError::Aborted {
+                rank: self.rank,
+                op: op.to_string(),
+                cause: self
+                    .failed
+                    .clone()
+                    .unwrap_or_else(|| "the connections were closed".to_string()),
+            },
+        })
+    }
+
+    /// A peer failed: agrees on the root cause, stops the group on this rank, and builds the
+    /// error (also written to torchrun's error file).
+    fn fail(&mut self, failure: PeerFailure) -> DdpError {
+        let PeerFailure {
+            culprit,
+            detail,
+            op,
+        } = failure;
+        let record = FailureRecord {
+            culprit: Some(culprit),
+            cause: format!("{detail}; seen by rank {} in {op}", self.rank),
+        };
+        let cause = self.stop(record, |own, e| {
+            format!(
+                "{own}; the store is unreachable too ({e}), so rank 0, which hosts it, has \
+                 probably failed{}",
+                if culprit == 0 { "" } else { " as well" }
+            )
+        });
+        // Reported while the failed operation is still published as this rank's collective.
+        let ranks = self.status.report();
+        self.transport.clear_status();
+        log::error!("rank {}: {op} failed: {cause}; ranks: {ranks}", self.rank);
+        let error = DdpError::Collective {
+            rank: self.rank,
+            op: op.to_string(),
+            cause,
+            ranks,
+        };
+        crate::elastic::record_error(&error);
+        error
+    }
+
+    /// Stops the group for a failure of this rank's own part of `op` (reading a tensor back
+    /// from its device, NCCL): recorded with this rank as the culprit unless a failure was
+    /// recorded first, so the peers fail with it instead of waiting. Returns the group's error.
+    pub(crate) fn fail_here(&mut self, op: String, cause: String) -> DdpError {
+        let cause = self.abort(FailureRecord {
+            culprit: Some(self.rank),
+            cause,
+        });
+        let ranks = self.status.report();
+        log::error!("rank {}: {op} failed: {cause}; ranks: {ranks}", self.rank);
+        let error = DdpError::Collective {
+            rank: self.rank,
+            op,
+            cause,
+            ranks,
+        };
+        crate::elastic::record_error(&error);
+        error
+    }
+
+    /// Stops the group on this rank for a failure found above the collectives (a desync, a
+    /// panic): records it as the group's failure unless one is recorded already, and closes
+    /// every connection so the peers stop too. Returns the agreed cause.
+    pub(crate) fn abort(&mut self, record: FailureRecord) -> String {
+        self.stop(record, |own, _| own.to_string())
+    }
+
+    /// Records `record` as the group's failure unless one is recorded already (first report
+    /// wins), then closes every connection so the peers notice at once, and remembers the
+    /// failure. Returns the agreed cause; `unreachable` words it from this rank's own cause when
+    /// the store cannot be reached.
+    fn stop(
+        &mut self,
+        record: FailureRecord,
+        unreachable: impl FnOnce(&str, DdpError) -> String,
+    ) -> String {
+        let own = record.cause.clone();
+        let cause = match record.agree(&self.store) {
+            Ok(agreed) => agreed.cause,
+            Err(e) => unreachable(&own, e),
+        };
+        self.transport.close();
+        self.failed.get_or_insert_with(|| cause.clone());
+        cause
+    }
+}
