@@ -17,3 +17,6 @@ mod soak;
 mod store;
 mod torchrun;
 mod train;
+// Training on burn's wgpu backend: builds the wgpu stack, so only with the `wgpu` feature.
+#[cfg(feature = "wgpu")]
+mod wgpu;
