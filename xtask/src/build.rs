@@ -69,10 +69,21 @@ pub fn build(selection: &[&str], release: bool) -> Result<PathBuf> {
 /// test and every CPU task share one build of burn.
 pub const WORKSPACE_PROGRAMS: [&str; 3] = ["--workspace", "--bins", "--examples"];
 
+/// Cargo features (as `--features` takes them, e.g. `burn-ddp/wgpu`) that
+/// [`build_cpu_program`] adds to [`WORKSPACE_PROGRAMS`]; unset, none. The smoke test sets it to
+/// its own build's features, so that under `cargo test --workspace --features burn-ddp/wgpu`
+/// the tasks it runs reuse that build instead of building burn again without them.
+pub const FEATURES_VAR: &str = "BURN_DDP_XTASK_FEATURES";
+
 /// The CPU executable of the binary or example `name` (binaries first), built with the
-/// workspace's other programs (see [`WORKSPACE_PROGRAMS`]).
+/// workspace's other programs (see [`WORKSPACE_PROGRAMS`] and [`FEATURES_VAR`]).
 pub fn build_cpu_program(name: &str, release: bool) -> Result<PathBuf> {
-    let built = build_all(&WORKSPACE_PROGRAMS, release)?;
+    let features = std::env::var(FEATURES_VAR).unwrap_or_default();
+    let mut selection = WORKSPACE_PROGRAMS.to_vec();
+    if !features.trim().is_empty() {
+        selection.extend(["--features", features.trim()]);
+    }
+    let built = build_all(&selection, release)?;
     for kind in ["bin", "example"] {
         if let Some(b) = built.iter().find(|b| b.kind == kind && b.name == name) {
             return Ok(b.path.clone());

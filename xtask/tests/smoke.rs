@@ -8,8 +8,10 @@
 //! The programs are built once per run, in the dev profile and this test's target directory,
 //! by the `cargo build` the xtask tasks run themselves (`--workspace --bins --examples`: the
 //! feature unification of `cargo test --workspace`, so after that command nothing new is
-//! compiled but the binaries cargo test does not link). A separate test binary, so that cargo runs it after, not beside,
-//! the timing-sensitive integration tests of burn-ddp.
+//! compiled but the binaries cargo test does not link), with burn-ddp's `wgpu` feature when this
+//! build has it (the test command `cargo test --workspace --features burn-ddp/wgpu`), so that
+//! burn is not built a second time. A separate test binary, so that cargo runs it after, not
+//! beside, the timing-sensitive integration tests of burn-ddp.
 
 use std::collections::HashMap;
 use std::io::Read;
@@ -41,6 +43,42 @@ fn target_dir() -> PathBuf {
         .to_path_buf()
 }
 
+/// Whether this build has burn's wgpu backend: `--features burn-ddp/wgpu` turns it on for every
+/// package of the build, this test's `burn` included (feature unification).
+fn burn_has_wgpu() -> bool {
+    use burn::tensor::{Device, DeviceKind};
+    /// Stands in for burn's `Device::wgpu` (a lazy constructor) where burn lacks it: an
+    /// inherent associated function takes precedence over a trait's, so with the backend the
+    /// call below is burn's and returns a `Device`.
+    #[allow(dead_code)]
+    trait WithoutWgpu {
+        fn wgpu(_: DeviceKind) -> Option<Device> {
+            None
+        }
+    }
+    impl WithoutWgpu for Device {}
+    trait IsDevice {
+        fn is_device(&self) -> bool;
+    }
+    impl IsDevice for Device {
+        fn is_device(&self) -> bool {
+            true
+        }
+    }
+    impl IsDevice for Option<Device> {
+        fn is_device(&self) -> bool {
+            false
+        }
+    }
+    Device::wgpu(DeviceKind::DefaultDevice).is_device()
+}
+
+/// The `--features` the programs are built with: those of this build that change what the
+/// workspace's programs are (see [`burn_has_wgpu`]).
+fn features() -> Option<&'static str> {
+    burn_has_wgpu().then_some("burn-ddp/wgpu")
+}
+
 /// Every binary and example of the workspace, by name, built once.
 fn programs() -> &'static HashMap<String, PathBuf> {
     static BUILT: OnceLock<HashMap<String, PathBuf>> = OnceLock::new();
@@ -51,6 +89,9 @@ fn programs() -> &'static HashMap<String, PathBuf> {
             "--target-dir",
             target.to_str().expect("a UTF-8 target path"),
         ]);
+        if let Some(features) = features() {
+            selection.extend(["--features", features]);
+        }
         let built = build::build_all(&selection, false)
             .unwrap_or_else(|e| panic!("building the workspace's programs: {e:#}"));
         built.into_iter().map(|b| (b.name, b.path)).collect()
@@ -71,7 +112,8 @@ fn xtask(args: &[&str]) -> Command {
     cmd.args(args)
         .current_dir(workspace())
         .env("CARGO", build::cargo())
-        .env("CARGO_TARGET_DIR", target_dir());
+        .env("CARGO_TARGET_DIR", target_dir())
+        .env(build::FEATURES_VAR, features().unwrap_or_default());
     cmd
 }
 

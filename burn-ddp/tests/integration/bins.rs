@@ -11,10 +11,11 @@ use std::time::{Duration, Instant};
 
 /// The path of binary `bin` of workspace package `package`, built now if this test process has
 /// not built it yet, with the same profile as this test binary. It builds every target of the
-/// workspace (`cargo build --workspace --all-targets`): that is the feature unification of
-/// `cargo test --workspace` (CI's command), so there only the binaries themselves are compiled,
-/// whereas `cargo build -p PACKAGE` would rebuild the burn stack with other features (minutes
-/// on 2 cores). Panics with cargo's output when the build fails.
+/// workspace (`cargo build --workspace --all-targets`), with burn-ddp's optional features this
+/// test binary was built with (see [`FEATURES`]): that is the feature unification of
+/// `cargo test --workspace --features burn-ddp/wgpu` (CI's command), so there only the binaries
+/// themselves are compiled, whereas other features or `cargo build -p PACKAGE` would rebuild
+/// the burn stack (minutes on 2 cores). Panics with cargo's output when the build fails.
 pub fn example_bin(package: &str, bin: &str) -> PathBuf {
     static BUILT: OnceLock<Mutex<HashMap<String, PathBuf>>> = OnceLock::new();
     let mut built = BUILT
@@ -35,6 +36,11 @@ pub fn example_bin(package: &str, bin: &str) -> PathBuf {
         Some("debug") | None => "dev",
         Some(other) => other,
     };
+    let features: Vec<&str> = FEATURES
+        .iter()
+        .filter(|(_, on)| *on)
+        .map(|(f, _)| *f)
+        .collect();
     let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
     let started = Instant::now();
     let out = Command::new(cargo)
@@ -46,6 +52,7 @@ pub fn example_bin(package: &str, bin: &str) -> PathBuf {
             "--profile",
         ])
         .arg(profile)
+        .args(features.iter().flat_map(|f| ["--features", f]))
         .arg("--target-dir")
         .arg(target_dir)
         .current_dir(env!("CARGO_MANIFEST_DIR"))
@@ -54,7 +61,7 @@ pub fn example_bin(package: &str, bin: &str) -> PathBuf {
         .expect("running cargo build");
     assert!(
         out.status.success(),
-        "cargo build --workspace --all-targets (for {package}'s {bin}) failed:\n{}",
+        "cargo build --workspace --all-targets {features:?} (for {package}'s {bin}) failed:\n{}",
         String::from_utf8_lossy(&out.stderr)
     );
     println!("built {bin} in {:.1?}", started.elapsed());
@@ -63,6 +70,14 @@ pub fn example_bin(package: &str, bin: &str) -> PathBuf {
     built.insert(bin.to_string(), path.clone());
     path
 }
+
+/// burn-ddp's optional features that change what the workspace builds, as `cargo --features`
+/// names, each with whether this test binary has it (`cargo test --workspace --features
+/// burn-ddp/wgpu` builds the tests with `wgpu`; the programs must be built the same way).
+const FEATURES: [(&str, bool); 2] = [
+    ("burn-ddp/wgpu", cfg!(feature = "wgpu")),
+    ("burn-ddp/nccl", cfg!(feature = "nccl")),
+];
 
 /// Runs `cmd` in its own process group with stdout and stderr captured; past `limit` the whole
 /// group (the launcher and every rank it started) is killed and the test fails with what the

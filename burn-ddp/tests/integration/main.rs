@@ -18,3 +18,6 @@ mod store;
 mod tensors;
 mod torchrun;
 mod train;
+// Training on burn's wgpu backend: builds the wgpu stack, so only with the `wgpu` feature.
+#[cfg(feature = "wgpu")]
+mod wgpu;

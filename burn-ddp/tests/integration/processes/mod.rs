@@ -1,0 +1,208 @@
+//! Ranks as separate processes: this test binary re-runs itself as each rank (the ignored test
+//! `rank_process` is the entry point), with the launcher variables in its environment.
+//!
+//! - `ranks`: rank processes the test starts itself: the environment, a rank killed
+//!   mid-collective;
+//! - `training`: ranks of a DdpLearner job that die (before joining, in a forward pass, while
+//!   writing a checkpoint) are named by the others;
+//! - `launcher`: `burn_ddp::launch` stops, restarts and spans nodes with these processes.
+
+mod launcher;
+mod ranks;
+mod training;
+
+use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use burn_ddp::env::AGENT_STORE_VAR;
+use burn_ddp::status::{PUBLISH_INTERVAL, Phase};
+use burn_ddp::store::StoreServer;
+use burn_ddp::train::CheckpointConfig;
+use burn_ddp::{ProcessGroup, ReduceOp};
+
+use crate::common::digest;
+use crate::train::{EXIT_CODE, Job, flex, new_net, train_rank};
+
+pub(crate) const ENTRY: &str = "processes::rank_process";
+/// Exit code of a rank whose collective failed as expected.
+const COLLECTIVE_FAILED: i32 = 3;
+
+/// Entry point of rank processes; does nothing useful when run directly.
+#[test]
+#[ignore = "entry point of the rank processes the other tests start"]
+fn rank_process() {
+    let scenario = std::env::var("BDDP_TEST_SCENARIO").unwrap_or_default();
+    if std::env::var("BDDP_DIE_BEFORE_JOIN").is_ok() {
+        eprintln!("DYING before joining");
+        std::process::exit(9);
+    }
+    let group = match ProcessGroup::from_env() {
+        Ok(g) => g,
+        Err(e) => {
+            eprintln!("RANK_ERROR: {e}");
+            std::process::exit(COLLECTIVE_FAILED);
+        }
+    };
+    let rank = group.rank();
+    match scenario.as_str() {
+        // Sum ranks, check, exit.
+        "sum" => {
+            let out = group
+                .all_reduce(vec![rank as f32; 1000], ReduceOp::Sum)
+                .wait()
+                .unwrap();
+            let n = group.world_size();
+            assert_eq!(out, vec![(n * (n - 1) / 2) as f32; 1000]);
+            println!("SUM_OK {}", out[0]);
+        }
+        // All-reduce large buffers until something fails.
+        "loop" => {
+            let mut buf = vec![1.0f32; 4 << 20];
+            for i in 0.. {
+                match group.all_reduce(buf, ReduceOp::Avg).wait() {
+                    Ok(b) => buf = b,
+                    Err(e) => {
+                        eprintln!("RANK_ERROR: {e}");
+                        std::process::exit(COLLECTIVE_FAILED);
+                    }
+                }
+                if i == 3 {
+                    println!("READY");
+                }
+            }
+        }
+        // Rank 1 fails at once; the others are busy for a long time (the launcher must stop
+        // them), then would all-reduce.
+        "fail_rank_1" => {
+            if rank == 1 {
+                group.status().enter(Phase::Training, Some(1));
+                group.status().step(5);
+                std::thread::sleep(PUBLISH_INTERVAL * 3);
+                std::process::exit(7);
+            }
+            std::thread::sleep(Duration::from_secs(60));
+            if let Err(e) = group.all_reduce(vec![0f32; 10], ReduceOp::Sum).wait() {
+                eprintln!("RANK_ERROR: {e}");
+                std::process::exit(COLLECTIVE_FAILED);
+            }
+        }
+        // Rank 1 fails on the job's first start only.
+        "fail_first_start" => {
+            if rank == 1 && burn_ddp::elastic::restart_count() == 0 {
+                std::process::exit(7);
+            }
+            if let Err(e) = group.barrier().wait() {
+                eprintln!("RANK_ERROR: {e}");
+                std::process::exit(COLLECTIVE_FAILED);
+            }
+            println!("SUM_OK");
+        }
+        // DdpLearner training of the test model; checkpoints, ballast and dying come from the
+        // environment.
+        "train" => {
+            let var = |k: &str| std::env::var(k).ok();
+            let checkpoints = var("BDDP_CKPT_DIR").map(|dir| {
+                let every = var("BDDP_CKPT_EVERY").map_or(0, |v| v.parse().unwrap());
+                CheckpointConfig::new(dir).every(every)
+            });
+            let ballast = var("BDDP_BALLAST").map_or(0, |v| v.parse().unwrap());
+            let job = Job::plain(group.world_size(), checkpoints);
+            let model = new_net(&flex(), (rank == 0).then_some(7), false);
+            match train_rank(Arc::new(group), model, &job, ballast) {
+                Ok(params) => {
+                    let digest = digest(bytemuck::cast_slice(&params));
+                    println!("TRAINED {digest}");
+                    if let Some(dir) = var("BDDP_RESULT_DIR") {
+                        let file = std::path::Path::new(&dir).join(format!("rank-{rank}"));
+                        std::fs::write(file, digest.to_string()).unwrap();
+                    }
+                }
+                Err(e) => {
+                    eprintln!("RANK_ERROR: {e}");
+                    let code = EXIT_CODE.load(std::sync::atomic::Ordering::Relaxed);
+                    std::process::exit(code);
+                }
+            }
+        }
+        other => panic!("unknown scenario {other:?}"),
+    }
+}
+
+/// The command that runs this binary as rank `rank` of `world` in `scenario`.
+fn rank_command(scenario: &str, rank: usize, world: usize, port: u16) -> Command {
+    let mut cmd = Command::new(std::env::current_exe().unwrap());
+    cmd.args([
+        "--exact",
+        ENTRY,
+        "--ignored",
+        "--nocapture",
+        "--test-threads=1",
+    ])
+    .env("BDDP_TEST_SCENARIO", scenario)
+    .env("RANK", rank.to_string())
+    .env("WORLD_SIZE", world.to_string())
+    .env("MASTER_ADDR", "127.0.0.1")
+    .env("MASTER_PORT", port.to_string())
+    .env("BURN_DDP_RENDEZVOUS_TIMEOUT", "60")
+    .stdin(Stdio::null())
+    .stdout(Stdio::piped())
+    .stderr(Stdio::piped());
+    cmd
+}
+
+/// Kills whatever is still running when a test ends, passed or failed.
+struct Ranks(Vec<Child>);
+
+impl Drop for Ranks {
+    fn drop(&mut self) {
+        for c in &mut self.0 {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+/// Waits for a child with a bound; returns its exit code and stderr.
+fn finish(child: &mut Child, deadline: Instant) -> (Option<i32>, String) {
+    loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            let mut err = String::new();
+            if let Some(mut e) = child.stderr.take() {
+                let _ = std::io::Read::read_to_string(&mut e, &mut err);
+            }
+            return (status.code(), err);
+        }
+        assert!(Instant::now() < deadline, "a rank did not exit in time");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+/// Ranks of the `train` scenario with a store served by the test (as the launcher's agent
+/// store), so that the ranks' status reports outlive any rank; `extra` sets per-rank variables.
+fn training_job(
+    world: usize,
+    env: &[(&str, String)],
+    extra: impl Fn(usize) -> Vec<(&'static str, String)>,
+) -> (StoreServer, Ranks) {
+    let store = StoreServer::bind("127.0.0.1:0").unwrap();
+    let port = store.local_addr().port();
+    let ranks = (0..world)
+        .map(|r| {
+            let mut cmd = rank_command("train", r, world, port);
+            cmd.env(AGENT_STORE_VAR, "1");
+            for (k, v) in env.iter().cloned().chain(extra(r)) {
+                cmd.env(k, v);
+            }
+            cmd.spawn().unwrap()
+        })
+        .collect();
+    (store, Ranks(ranks))
+}
+
+/// The `RANK_ERROR` line of a rank's stderr.
+fn rank_error(err: &str) -> &str {
+    err.lines()
+        .find(|l| l.contains("RANK_ERROR"))
+        .unwrap_or_default()
+}

@@ -1,0 +1,80 @@
+//! Ranks that do not train the same thing (another model, another setting, a skipped step)
+//! stop, every one of them, with an error that names the difference.
+
+use std::sync::Arc;
+
+use burn::optim::SgdConfig;
+use burn::train::TrainStep;
+use burn_ddp::train::{DdpLearner, ProgressOutput};
+
+use super::launch_to_error;
+use super::lockstep::ManualRank;
+use super::model::{flex, new_net};
+use crate::common::{options, run_world};
+
+#[test]
+fn ranks_with_different_models_or_settings_stop_naming_the_difference() {
+    let device = flex();
+    let errors = run_world(2, options(30), |group| {
+        let group = Arc::new(group);
+        let rank = group.rank();
+        let learner = |model, batch: usize| {
+            DdpLearner::with_group(group.clone(), model, SgdConfig::new().init(), 0.1)
+                .setting("batch_size", batch)
+                .progress(ProgressOutput::Keep)
+        };
+        // Rank 1 has an extra layer, then a different batch size.
+        let model_error = launch_to_error(learner(new_net(&device, None, rank == 1), 4), 4);
+        let setting_error =
+            launch_to_error(learner(new_net(&device, None, false), 4 + rank), 4 + rank);
+        (model_error, setting_error)
+    });
+    for (model_error, setting_error) in errors {
+        assert!(model_error.contains("ranks disagree"), "{model_error}");
+        assert!(model_error.contains("rank 1 has"), "{model_error}");
+        assert!(
+            model_error.contains("parameter 4 `extra.weight`"),
+            "{model_error}"
+        );
+        assert!(
+            setting_error.contains("setting batch_size = 4")
+                && setting_error.contains("setting batch_size = 5"),
+            "{setting_error}"
+        );
+    }
+}
+
+#[test]
+fn a_rank_that_skips_a_step_stops_every_rank_with_a_desync_error() {
+    let device = flex();
+    let errors = run_world(2, options(20), |group| {
+        let rank = group.rank();
+        let ManualRank {
+            mut model,
+            reducer,
+            loader,
+            ..
+        } = ManualRank::new(group, new_net(&device, None, false), &device);
+        let mut optim = SgdConfig::new().init();
+        for (step, batch) in loader.iter().enumerate() {
+            // Same shapes, same number of collectives so far: only the fingerprint tells.
+            if rank == 1 && step == 2 {
+                continue;
+            }
+            let out = TrainStep::step(&model, batch.unwrap());
+            match reducer.reduce_at(&model, out.grads, 1, step) {
+                Ok(grads) => model = optim.step(0.5, model, grads),
+                Err(e) => return e.to_string(),
+            }
+        }
+        panic!("rank {rank}: the skipped step went unnoticed");
+    });
+    for e in errors {
+        assert!(e.contains("desync"), "{e}");
+        // Whichever rank noticed first wrote the cause both report.
+        assert!(
+            e.contains("epoch 1 step 2") && e.contains("epoch 1 step 3"),
+            "{e}"
+        );
+    }
+}

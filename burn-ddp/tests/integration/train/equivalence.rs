@@ -1,0 +1,197 @@
+//! DdpLearner against single-process training: same data, seed and SGD; world sizes 2 and 3
+//! with per-rank batch b against one process with batch world * b; gradient accumulation; a
+//! parameter some steps leave without gradient. The bodies take the device the ranks train on,
+//! so that every backend runs the same checks (`flex` here, `wgpu` in `crate::wgpu`).
+
+use std::sync::{Arc, Mutex};
+
+use burn::data::dataloader::DataLoaderBuilder;
+use burn::optim::SgdConfig;
+use burn::tensor::Device;
+use burn::train::SupervisedTraining;
+use burn::train::metric::LossMetric;
+use burn_ddp::ProcessGroup;
+use burn_ddp::train::{
+    BucketConfig, DdpLearner, DdpTraining, DistributedSampler, ProgressOutput, QuietRenderer,
+    flat_parameters,
+};
+
+use super::model::{DATA, Net, Points, ToBatch, flex, new_net};
+use super::{assert_identical, relative_error, small_buckets};
+use crate::common::{options, run_world};
+
+/// What one rank ends with.
+struct Outcome {
+    params: Vec<f32>,
+    all_reduces: u64,
+}
+
+struct Run<'a> {
+    device: &'a Device,
+    world: usize,
+    batch: usize,
+    epochs: usize,
+    accumulation: Option<usize>,
+    extra: bool,
+    buckets: BucketConfig,
+}
+
+/// Trains on `world` thread ranks. Rank 0 starts from the seed-7 model; other ranks from
+/// different weights, which the start-up broadcast must replace.
+fn train(run: &Run) -> Vec<Outcome> {
+    let models: Vec<Option<Net>> = (0..run.world)
+        .map(|r| {
+            let seed = if r == 0 { 7 } else { 1000 + r as u64 };
+            Some(new_net(run.device, Some(seed), run.extra))
+        })
+        .collect();
+    let models = Mutex::new(models);
+    run_world(run.world, options(60), |group: ProcessGroup| {
+        let rank = group.rank();
+        let model = models.lock().unwrap()[rank].take().unwrap();
+        let group = Arc::new(group);
+        let sampler = DistributedSampler::for_group(&group).seed(5);
+        let loader = |data: Points, s: &DistributedSampler| {
+            DataLoaderBuilder::new(ToBatch)
+                .batch_size(run.batch)
+                .build(s.dataset(data))
+        };
+        let valid_sampler = DistributedSampler::for_group(&group).shuffle(false);
+        let dir = std::env::temp_dir().join(format!(
+            "burn-ddp-test-{}-{:?}-{rank}",
+            std::process::id(),
+            std::thread::current().id()
+        ));
+        let mut training = SupervisedTraining::new(
+            &dir,
+            loader(Points(DATA), &sampler),
+            loader(Points(DATA / 2), &valid_sampler),
+        )
+        .metric_train_numeric(LossMetric::new())
+        .renderer(Box::new(QuietRenderer))
+        .with_application_logger(None)
+        .num_epochs(run.epochs);
+        if let Some(k) = run.accumulation {
+            training = training.grads_accumulation(k);
+        }
+        let learner = DdpLearner::with_group(group.clone(), model, SgdConfig::new().init(), 0.5)
+            .sampler(&sampler)
+            .buckets(run.buckets)
+            .setting("batch", run.batch)
+            .progress(ProgressOutput::Keep);
+        let result = training.launch_ddp(learner).expect("training");
+        assert!(result.error.is_none(), "{:?}", result.error);
+        let _ = std::fs::remove_dir_all(&dir);
+        Outcome {
+            params: flat_parameters(&result.model),
+            all_reduces: group.all_reduce_count(),
+        }
+    })
+}
+
+fn params(outcomes: &[Outcome]) -> Vec<&[f32]> {
+    outcomes.iter().map(|o| o.params.as_slice()).collect()
+}
+
+/// World `world` with per-rank batch 4 ends within relative error 1e-5 of one process with
+/// batch `world * 4`, every rank bit-identical, and far from where it started.
+pub(crate) fn equivalence(device: &Device, world: usize, accumulation: Option<usize>) {
+    let b = 4;
+    let run = |world, batch| Run {
+        device,
+        world,
+        batch,
+        epochs: 2,
+        accumulation,
+        extra: false,
+        buckets: small_buckets(),
+    };
+    let reference = train(&run(1, world * b));
+    let ddp = train(&run(world, b));
+    assert_identical(&params(&ddp));
+    let err = relative_error(&ddp[0].params, &reference[0].params);
+    eprintln!("world {world}, accumulation {accumulation:?}: relative error {err:e}");
+    assert!(err <= 1e-5, "world {world}: relative error {err:e}");
+    let start = flat_parameters(&new_net(device, Some(7), false));
+    assert!(
+        relative_error(&ddp[0].params, &start) > 1e-3,
+        "training changed nothing"
+    );
+}
+
+/// With accumulation over 2 micro-steps, training still matches one process, and the buckets
+/// are all-reduced once per optimizer step, not once per micro-step.
+pub(crate) fn accumulation(device: &Device) {
+    equivalence(device, 2, Some(2));
+    let (world, batch, epochs) = (2, 4, 2);
+    let steps_per_epoch = (DATA / world).div_ceil(batch) as u64;
+    let runs = |accumulation| Run {
+        device,
+        world,
+        batch,
+        epochs,
+        accumulation,
+        extra: false,
+        buckets: small_buckets(),
+    };
+    let plain = train(&runs(None));
+    let accumulated = train(&runs(Some(2)));
+    // Besides the buckets, the ranks vote on stopping (a 2-value all-reduce) after every 4th
+    // optimizer step, after every 4th validation step and at each epoch's end.
+    let valid_steps = (DATA / 2 / world).div_ceil(batch) as u64;
+    let votes = |optimizer_steps: u64| epochs as u64 * (optimizer_steps / 4 + valid_steps / 4 + 1);
+    let buckets =
+        (plain[0].all_reduces - votes(steps_per_epoch)) / (epochs as u64 * steps_per_epoch);
+    assert!(buckets > 1, "the small caps should give several buckets");
+    assert_eq!(
+        plain[0].all_reduces,
+        epochs as u64 * steps_per_epoch * buckets + votes(steps_per_epoch)
+    );
+    let optimizer_steps = steps_per_epoch.div_ceil(2);
+    assert_eq!(
+        accumulated[0].all_reduces,
+        epochs as u64 * optimizer_steps * buckets + votes(optimizer_steps),
+        "with accumulation over 2, one reduction per 2 micro-steps"
+    );
+}
+
+/// A layer only some batches use (so on some ranks, in some steps, its parameters get no
+/// gradient): training neither hangs nor lets the ranks drift apart.
+pub(crate) fn unused_parameter(device: &Device) {
+    let outcomes = train(&Run {
+        device,
+        world: 3,
+        batch: 4,
+        epochs: 2,
+        accumulation: None,
+        extra: true,
+        buckets: small_buckets(),
+    });
+    assert_identical(&params(&outcomes));
+    assert!(outcomes[0].params.iter().all(|x| x.is_finite()));
+    let start = flat_parameters(&new_net(device, Some(7), true));
+    assert!(
+        relative_error(&outcomes[0].params, &start) > 1e-3,
+        "training changed nothing"
+    );
+}
+
+#[test]
+fn world_2_matches_one_process_with_the_global_batch() {
+    equivalence(&flex(), 2, None);
+}
+
+#[test]
+fn world_3_matches_one_process_with_the_global_batch() {
+    equivalence(&flex(), 3, None);
+}
+
+#[test]
+fn accumulation_reduces_once_per_optimizer_step() {
+    accumulation(&flex());
+}
+
+#[test]
+fn a_parameter_without_gradient_in_some_steps_neither_hangs_nor_diverges() {
+    unused_parameter(&flex());
+}

@@ -1,0 +1,75 @@
+//! DdpLearner and GradientReducer training with real ranks (threads over loopback TCP), on
+//! burn's `flex` CPU backend; `crate::wgpu` runs the same bodies on a wgpu device.
+//!
+//! - `model`: the data, the network and the die-in-forward hook of the process tests;
+//! - `equivalence`: data-parallel training against one process with the global batch,
+//!   gradient accumulation, a parameter without gradient in some steps;
+//! - `lockstep`: a hand-written loop whose ranks stay bit identical after every step;
+//! - `disagreement`: ranks with another model, setting or step stop naming the difference;
+//! - `job`, `checkpoints`: the checkpointed job (also what rank processes run) and resuming it.
+
+mod checkpoints;
+mod disagreement;
+pub(crate) mod equivalence;
+mod job;
+pub(crate) mod lockstep;
+mod model;
+
+pub(crate) use job::{Job, train_rank, uninterrupted_digest};
+pub(crate) use model::{EXIT_CODE, flex, new_net};
+
+use burn::data::dataloader::DataLoaderBuilder;
+use burn::train::SupervisedTraining;
+use burn_ddp::train::{BucketConfig, DdpLearner, DdpTraining, DistributedSampler, QuietRenderer};
+
+use crate::common::digest;
+use model::{Net, Points, ToBatch};
+
+/// Small buckets, so that several are in flight per step.
+fn small_buckets() -> BucketConfig {
+    BucketConfig {
+        cap_bytes: 256,
+        first_cap_bytes: 64,
+    }
+}
+
+/// ‖a − b‖ / ‖b‖.
+fn relative_error(a: &[f32], b: &[f32]) -> f64 {
+    assert_eq!(a.len(), b.len());
+    let diff: f64 = a
+        .iter()
+        .zip(b)
+        .map(|(x, y)| (*x as f64 - *y as f64).powi(2))
+        .sum();
+    let norm: f64 = b.iter().map(|y| (*y as f64).powi(2)).sum();
+    (diff / norm).sqrt()
+}
+
+/// Every rank's parameters have rank 0's bytes.
+fn assert_identical(params: &[&[f32]]) {
+    for (r, p) in params.iter().enumerate() {
+        assert_eq!(
+            digest(bytemuck::cast_slice(p)),
+            digest(bytemuck::cast_slice(params[0])),
+            "rank {r} differs from rank 0"
+        );
+    }
+}
+
+/// Trains `learner` for one epoch of 8 samples in batches of `batch`, expecting an error; returns
+/// it in words.
+fn launch_to_error(learner: DdpLearner<Net>, batch: usize) -> String {
+    let sampler = DistributedSampler::for_group(learner.group());
+    let loader = || {
+        DataLoaderBuilder::new(ToBatch)
+            .batch_size(batch)
+            .build(sampler.dataset(Points(8)))
+    };
+    SupervisedTraining::new(std::env::temp_dir(), loader(), loader())
+        .renderer(Box::new(QuietRenderer))
+        .with_application_logger(None)
+        .launch_ddp(learner)
+        .map(|_| ())
+        .unwrap_err()
+        .to_string()
+}

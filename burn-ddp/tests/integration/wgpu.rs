@@ -1,0 +1,106 @@
+//! The training checks of `crate::train` on burn's wgpu backend (CubeCL on Vulkan), so that
+//! device buffers and queues, not only host memory, go through DdpLearner and the reducer. In CI
+//! this runs on Mesa's software Vulkan driver (lavapipe, Debian's `mesa-vulkan-drivers`); with
+//! no Vulkan driver installed the tests say SKIPPED and pass. Only with burn-ddp's `wgpu`
+//! feature.
+
+use std::path::{Path, PathBuf};
+
+use burn::tensor::{Device, DeviceKind};
+
+use crate::train::{equivalence, lockstep};
+
+/// The first Vulkan driver manifest (ICD) the Vulkan loader would consider: the files named by
+/// `VK_DRIVER_FILES` / `VK_ICD_FILENAMES` when set, else a `*.json` in the loader's
+/// `vulkan/icd.d` search directories (XDG configuration and data directories, `/etc`).
+fn vulkan_driver() -> Option<PathBuf> {
+    let var = |k: &str| std::env::var_os(k).filter(|v| !v.is_empty());
+    let manifests_in = |dir: &Path| -> Option<PathBuf> {
+        std::fs::read_dir(dir)
+            .ok()?
+            .filter_map(Result::ok)
+            .map(|e| e.path())
+            .find(|p| p.extension().is_some_and(|e| e == "json") && p.is_file())
+    };
+    for key in ["VK_DRIVER_FILES", "VK_ICD_FILENAMES"] {
+        if let Some(list) = var(key) {
+            return std::env::split_paths(&list).find_map(|p| {
+                if p.is_dir() {
+                    manifests_in(&p)
+                } else {
+                    p.is_file().then_some(p)
+                }
+            });
+        }
+    }
+    let home = var("HOME").map(PathBuf::from).unwrap_or_default();
+    let list = |key: &str, default: &str| -> Vec<PathBuf> {
+        std::env::split_paths(&var(key).unwrap_or_else(|| default.into())).collect()
+    };
+    let one = |key: &str, default: PathBuf| var(key).map_or(default, PathBuf::from);
+    let mut dirs = vec![one("XDG_CONFIG_HOME", home.join(".config"))];
+    dirs.extend(list("XDG_CONFIG_DIRS", "/etc/xdg"));
+    dirs.push("/etc".into());
+    dirs.push(one("XDG_DATA_HOME", home.join(".local/share")));
+    dirs.extend(list("XDG_DATA_DIRS", "/usr/local/share:/usr/share"));
+    dirs.iter()
+        .find_map(|d| manifests_in(&d.join("vulkan/icd.d")))
+}
+
+/// The autodiff wgpu device the ranks train on (all ranks of a test are threads of this
+/// process, sharing it), or `None`, said loudly, when no Vulkan driver is installed.
+fn device() -> Option<Device> {
+    match vulkan_driver() {
+        Some(driver) => {
+            let device = Device::wgpu(DeviceKind::DefaultDevice).autodiff();
+            // Opens the device: a driver that is installed but does not work fails the test.
+            let adapter = device
+                .identity()
+                .map_or_else(|| "?".to_string(), |id| id.name);
+            eprintln!(
+                "wgpu: training on {adapter} (Vulkan driver {})",
+                driver.display()
+            );
+            Some(device)
+        }
+        None => {
+            println!("SKIPPED: no Vulkan driver (install mesa-vulkan-drivers)");
+            None
+        }
+    }
+}
+
+#[test]
+fn wgpu_world_2_matches_one_process_with_the_global_batch() {
+    if let Some(device) = device() {
+        equivalence::equivalence(&device, 2, None);
+    }
+}
+
+#[test]
+fn wgpu_ranks_hold_identical_parameters_after_every_step() {
+    if let Some(device) = device() {
+        lockstep::identical_after_every_step(&device);
+    }
+}
+
+#[test]
+fn wgpu_accumulation_reduces_once_per_optimizer_step() {
+    if let Some(device) = device() {
+        equivalence::accumulation(&device);
+    }
+}
+
+#[test]
+fn wgpu_a_parameter_without_gradient_in_some_steps_neither_hangs_nor_diverges() {
+    if let Some(device) = device() {
+        equivalence::unused_parameter(&device);
+    }
+}
+
+#[test]
+fn wgpu_tensor_collectives_match_host_collectives() {
+    if device().is_some() {
+        crate::tensors::check_tensor_collectives(2, || Device::wgpu(DeviceKind::DefaultDevice));
+    }
+}

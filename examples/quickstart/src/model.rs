@@ -1,0 +1,78 @@
+//! The quickstart's model: a two-layer perceptron trained with cross-entropy, and its accuracy
+//! on a data split.
+
+use anyhow::Result;
+use burn::data::dataloader::batcher::Batcher;
+use burn::data::dataset::Dataset;
+use burn::module::Module;
+use burn::nn::loss::CrossEntropyLossConfig;
+use burn::nn::{Linear, LinearConfig, Relu};
+use burn::tensor::Device;
+use burn::train::{ClassificationOutput, InferenceStep, TrainOutput, TrainStep};
+
+use crate::data::{Data, MyBatch, MyBatcher, MyItem};
+
+/// A two-layer perceptron.
+#[derive(Module, Debug)]
+pub struct MyModel {
+    hidden: Linear,
+    out: Linear,
+    act: Relu,
+}
+
+impl MyModel {
+    /// A freshly initialised model for `features` inputs and `classes` outputs.
+    pub fn init(device: &Device, features: usize, classes: usize) -> Self {
+        MyModel {
+            hidden: LinearConfig::new(features, 64).init(device),
+            out: LinearConfig::new(64, classes).init(device),
+            act: Relu::new(),
+        }
+    }
+
+    fn forward_classification(&self, batch: MyBatch) -> ClassificationOutput {
+        let logits = self
+            .out
+            .forward(self.act.forward(self.hidden.forward(batch.inputs)));
+        let loss = CrossEntropyLossConfig::new()
+            .init(&logits.device())
+            .forward(logits.clone(), batch.targets.clone());
+        ClassificationOutput::new(loss, logits, batch.targets)
+    }
+}
+
+impl TrainStep for MyModel {
+    type Input = MyBatch;
+    type Output = ClassificationOutput;
+
+    fn step(&self, batch: MyBatch) -> TrainOutput<ClassificationOutput> {
+        let item = self.forward_classification(batch);
+        let grads = item.loss.backward();
+        TrainOutput::new(self, grads, item)
+    }
+}
+
+impl InferenceStep for MyModel {
+    type Input = MyBatch;
+    type Output = ClassificationOutput;
+
+    fn step(&self, batch: MyBatch) -> ClassificationOutput {
+        self.forward_classification(batch)
+    }
+}
+
+/// Accuracy of `model` on all of `data`, in percent.
+pub fn accuracy(model: &MyModel, device: &Device, data: &Data) -> Result<f64> {
+    let items: Vec<MyItem> = (0..data.len())
+        .map(|i| data.get(i))
+        .collect::<Result<_, _>>()?;
+    let n = items.len();
+    let out = InferenceStep::step(model, MyBatcher.batch(items, device));
+    let predicted = out.output.argmax(1).reshape([n]);
+    let correct = predicted
+        .equal(out.targets)
+        .int()
+        .sum()
+        .into_scalar::<i64>();
+    Ok(correct as f64 * 100.0 / n.max(1) as f64)
+}

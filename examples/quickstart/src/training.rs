@@ -1,0 +1,193 @@
+//! A quickstart run: the device, data-parallel training in a process group (or burn's own
+//! `Learner` with `--plain`), and the [`Report`] of what it measured.
+
+use std::sync::Arc;
+
+use anyhow::{Context, Result, bail};
+use burn::data::dataloader::DataLoaderBuilder;
+use burn::module::Module;
+use burn::optim::SgdConfig;
+use burn::tensor::Device;
+use burn::train::metric::{AccuracyMetric, LossMetric};
+use burn::train::{Learner, SupervisedTraining};
+use burn_ddp::ProcessGroup;
+use burn_ddp::train::{
+    CheckpointConfig, DdpLearner, DdpTraining, DistributedSampler, ProgressOutput, QuietRenderer,
+};
+
+use crate::config::Config;
+use crate::data::{CLASSES, DIGIT_PIXELS, Data, Digits, FEATURES, MyBatcher, MyDataset};
+use crate::model::{MyModel, accuracy};
+
+/// What a run measured.
+#[derive(Debug, Clone)]
+pub struct Report {
+    /// Accuracy of the final model over the whole validation split, in percent.
+    pub valid_accuracy: f64,
+    /// The final parameters, flattened in visit order.
+    pub params: Vec<f32>,
+    /// Wall time of training (all epochs, validation included), in seconds.
+    pub train_seconds: f64,
+    /// Optimizer steps taken.
+    pub steps: usize,
+    /// Training samples processed by all ranks together.
+    pub samples: usize,
+}
+
+impl Report {
+    /// FNV-1a of the final parameters' bytes: equal digests, bit-identical models.
+    pub fn digest(&self) -> u64 {
+        self.params
+            .iter()
+            .flat_map(|x| x.to_le_bytes())
+            .fold(0xcbf2_9ce4_8422_2325, |h, b| {
+                (h ^ b as u64).wrapping_mul(0x100_0000_01b3)
+            })
+    }
+
+    /// Prints the summary and writes `--report` (rank 0 calls it).
+    pub fn publish(&self, cfg: &Config, world: usize) -> Result<()> {
+        println!(
+            "{} rank(s), {} epochs, batch {} per rank: validation accuracy {:.1}%",
+            world, cfg.epochs, cfg.batch_size, self.valid_accuracy
+        );
+        println!(
+            "{} optimizer steps in {:.2} s: {:.2} ms per step, {:.0} samples/s",
+            self.steps,
+            self.train_seconds,
+            self.train_seconds * 1e3 / self.steps as f64,
+            self.samples as f64 / self.train_seconds
+        );
+        if let Some(path) = &cfg.report {
+            let line = format!(
+                "steps={} seconds={} samples={} accuracy={} digest={:016x}\n",
+                self.steps,
+                self.train_seconds,
+                self.samples,
+                self.valid_accuracy,
+                self.digest()
+            );
+            std::fs::write(path, line).with_context(|| format!("writing {}", path.display()))?;
+        }
+        Ok(())
+    }
+}
+
+/// Selects the device for `name` and this process's local rank.
+pub fn device(name: &str, local_rank: usize) -> Result<Device> {
+    match name {
+        "cpu" => Ok(Device::flex().autodiff()),
+        "cuda" => cuda_device(local_rank),
+        other => bail!("unknown device {other:?}: expected cpu or cuda"),
+    }
+}
+
+#[cfg(feature = "cuda")]
+fn cuda_device(local_rank: usize) -> Result<Device> {
+    // Fails with what was looked for and how to fix it, instead of a loader panic.
+    burn_ddp_nccl::check_libraries().context("--device cuda")?;
+    Ok(Device::cuda(local_rank).autodiff())
+}
+
+#[cfg(not(feature = "cuda"))]
+fn cuda_device(local_rank: usize) -> Result<Device> {
+    bail!(
+        "--device cuda (GPU {local_rank}): this build has no CUDA support; rebuild with \
+         `--features cuda` (cargo build -p quickstart --features cuda)"
+    )
+}
+
+/// Trains in `group` (a world of one or many ranks) on the configured data.
+pub fn run(group: Arc<ProcessGroup>, cfg: &Config) -> Result<Report> {
+    let device = device(&cfg.device, group.local_rank())?;
+    let (train_data, valid_data, features, classes) = match &cfg.digits {
+        None => (
+            Data::Synthetic(MyDataset::train(cfg.samples)),
+            Data::Synthetic(MyDataset::valid(cfg.samples / 4)),
+            FEATURES,
+            CLASSES,
+        ),
+        Some(path) => {
+            let (train, valid) = Digits::load(path)?.split();
+            (train, valid, DIGIT_PIXELS, 10)
+        }
+    };
+    device.seed(cfg.seed);
+    // Parameters are initialised lazily; materialise them while the seed still decides.
+    let model = MyModel::init(&device, features, classes).materialize();
+
+    let sampler = DistributedSampler::for_group(&group).seed(cfg.seed);
+    let valid_sampler = DistributedSampler::for_group(&group).shuffle(false);
+    let train = DataLoaderBuilder::new(MyBatcher)
+        .batch_size(cfg.batch_size)
+        .build(sampler.dataset(train_data));
+    let valid = DataLoaderBuilder::new(MyBatcher)
+        .batch_size(cfg.batch_size)
+        .build(valid_sampler.dataset(valid_data.clone()));
+
+    let steps = cfg.epochs * train.num_items().div_ceil(cfg.batch_size);
+    let mut training = SupervisedTraining::new(&cfg.artifacts, train, valid)
+        .metric_train_numeric(LossMetric::new())
+        .metric_valid_numeric(LossMetric::new())
+        .metric_train_numeric(AccuracyMetric::new())
+        .metric_valid_numeric(AccuracyMetric::new())
+        .num_epochs(cfg.epochs);
+    // Rank 0's progress: burn's TUI in a terminal, readable lines otherwise (DdpLearner
+    // chooses; burn's own Learner is told here), nothing with --quiet.
+    let progress = if cfg.quiet {
+        training = training.renderer(Box::new(QuietRenderer));
+        ProgressOutput::Keep
+    } else {
+        ProgressOutput::Auto
+    };
+    if cfg.plain
+        && let Some(renderer) = progress.renderer()
+    {
+        training = training.renderer(renderer);
+    }
+    let start = std::time::Instant::now();
+    let result = if cfg.plain {
+        if group.world_size() != 1 {
+            bail!("--plain trains with burn's own Learner, on one process only");
+        }
+        training.launch(Learner::new(model, SgdConfig::new().init(), cfg.lr))
+    } else {
+        let mut learner =
+            DdpLearner::with_group(group.clone(), model, SgdConfig::new().init(), cfg.lr)
+                .sampler(&sampler)
+                .setting("batch_size", cfg.batch_size)
+                .setting("lr", cfg.lr)
+                .setting("seed", cfg.seed)
+                .setting("epochs", cfg.epochs)
+                .setting("data", format!("{:?}", cfg.digits))
+                .desync_check(!cfg.no_desync_check)
+                .progress(progress);
+        if let Some(dir) = &cfg.checkpoint_dir {
+            learner = learner.checkpoints(CheckpointConfig::new(dir).every(cfg.checkpoint_every));
+        }
+        training
+            .launch_ddp(learner)
+            .context("data-parallel training")?
+    };
+    let train_seconds = start.elapsed().as_secs_f64();
+    if let Some(e) = &result.error {
+        bail!("training failed: {e}");
+    }
+    let model = result.model;
+    if group.rank() == 0
+        && let Some(path) = &cfg.save_model
+    {
+        use burn_store::{ModuleSnapshot, SafetensorsStore};
+        let mut store = SafetensorsStore::from_file(path);
+        model
+            .save_into(&mut store)
+            .with_context(|| format!("saving the model to {}", path.display()))?;
+    }
+    Ok(Report {
+        valid_accuracy: accuracy(&model, &device.clone().inner(), &valid_data)?,
+        params: burn_ddp::train::flat_parameters(&model),
+        train_seconds,
+        steps,
+        samples: steps * cfg.batch_size * group.world_size(),
+    })
+}
