@@ -263,6 +263,7 @@ fn every_program_lists_its_flags_and_suggests_the_right_one() {
         "--seed",
         "--device",
         "--save-model",
+        "--params-out",
         "--samples",
         "--digits",
         "--artifacts",
@@ -360,7 +361,10 @@ fn every_example_runs_under_the_launcher() {
     ran.succeeds_printing(&["rank 0 of 2: sum of ranks 1 over 2 ranks", "rank 1 of 2"]);
 
     let artifacts = Scratch::new("quickstart");
-    let ran = run(launched("quickstart", &tiny_training(&artifacts)));
+    let params = artifacts.0.join("params.f32");
+    let mut args = tiny_training(&artifacts);
+    args.extend(["--params-out".into(), params.display().to_string()]);
+    let ran = run(launched("quickstart", &args));
     ran.succeeds_printing(&["2 rank(s), 1 epochs, batch 16 per rank: validation accuracy"]);
     let digests = ran.digests();
     assert_eq!(digests.len(), 2, "{}", ran.describe());
@@ -370,6 +374,12 @@ fn every_example_runs_under_the_launcher() {
         "the ranks ended different: {}",
         ran.describe()
     );
+    // --params-out holds exactly the parameters the digest is taken of (FNV-1a of their bytes).
+    let written = std::fs::read(&params).expect("--params-out file");
+    let fnv = written.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
+        (h ^ *b as u64).wrapping_mul(0x100_0000_01b3)
+    });
+    assert_eq!(format!("{fnv:016x}"), digests[0], "{}", ran.describe());
 
     let artifacts = Scratch::new("digits");
     let args = ["--epochs", "1", "--quiet", "--artifacts", &artifacts.arg()].map(String::from);

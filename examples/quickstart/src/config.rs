@@ -22,6 +22,9 @@ pub struct Config {
     pub device: String,
     /// Where rank 0 writes the final parameters (safetensors).
     pub save_model: Option<PathBuf>,
+    /// Where rank 0 writes the final parameters as raw little-endian f32 in visit order (for
+    /// comparing runs numerically, as the GPU check does).
+    pub params_out: Option<PathBuf>,
     /// Training samples of the synthetic set.
     pub samples: usize,
     /// Train on the handwritten digits at this path instead of the synthetic set.
@@ -52,6 +55,7 @@ impl Default for Config {
             seed: 42,
             device: "cpu".into(),
             save_model: None,
+            params_out: None,
             samples: 4096,
             digits: None,
             artifacts: std::env::temp_dir().join("burn-ddp-quickstart"),
@@ -92,6 +96,9 @@ pub struct Flags {
     /// Rank 0 writes the final parameters there (safetensors)
     #[arg(long, value_name = "PATH")]
     pub save_model: Option<PathBuf>,
+    /// Rank 0 writes the final parameters there as raw little-endian f32 (for comparing runs)
+    #[arg(long, value_name = "PATH")]
+    pub params_out: Option<PathBuf>,
     /// Training samples of the synthetic set (validation: a quarter as many)
     #[arg(long, value_name = "N")]
     pub samples: Option<usize>,
@@ -173,6 +180,7 @@ impl Config {
             seed,
             device,
             save_model,
+            params_out,
             samples,
             digits,
             artifacts,
@@ -189,6 +197,7 @@ impl Config {
         self.seed = seed.unwrap_or(self.seed);
         self.device = device.unwrap_or(self.device);
         self.save_model = save_model.or(self.save_model);
+        self.params_out = params_out.or(self.params_out);
         self.samples = samples.unwrap_or(self.samples);
         self.digits = digits.or(self.digits);
         self.artifacts = artifacts.unwrap_or(self.artifacts);

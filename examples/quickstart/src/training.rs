@@ -58,6 +58,10 @@ impl Report {
             self.train_seconds * 1e3 / self.steps as f64,
             self.samples as f64 / self.train_seconds
         );
+        if let Some(path) = &cfg.params_out {
+            let bytes: Vec<u8> = self.params.iter().flat_map(|x| x.to_le_bytes()).collect();
+            std::fs::write(path, bytes).with_context(|| format!("writing {}", path.display()))?;
+        }
         if let Some(path) = &cfg.report {
             let line = format!(
                 "steps={} seconds={} samples={} accuracy={} digest={:016x}\n",
