@@ -5,6 +5,8 @@
 //! feature.
 
 use std::path::{Path, PathBuf};
+use std::sync::mpsc::{self, RecvTimeoutError};
+use std::time::Duration;
 
 use burn::tensor::{Device, DeviceKind};
 
@@ -70,32 +72,48 @@ fn device() -> Option<Device> {
     }
 }
 
+/// How long one check may take on the wgpu device (about 15 s each on lavapipe, 2 cores).
+const LIMIT: Duration = Duration::from_secs(300);
+
+/// Runs `check` on the wgpu device; fails the test if it has not finished within [`LIMIT`]
+/// (the group's timeouts bound the collectives, not a hang inside the driver). Skips without a
+/// Vulkan driver.
+fn on_wgpu(check: fn(&Device)) {
+    let Some(device) = device() else { return };
+    let (done, finished) = mpsc::channel();
+    let worker = std::thread::spawn(move || {
+        check(&device);
+        let _ = done.send(());
+    });
+    match finished.recv_timeout(LIMIT) {
+        Ok(()) => {}
+        Err(RecvTimeoutError::Disconnected) => {
+            if let Err(panic) = worker.join() {
+                std::panic::resume_unwind(panic);
+            }
+        }
+        Err(RecvTimeoutError::Timeout) => panic!("the check did not finish within {LIMIT:?}"),
+    }
+}
+
 #[test]
 fn wgpu_world_2_matches_one_process_with_the_global_batch() {
-    if let Some(device) = device() {
-        equivalence::equivalence(&device, 2, None);
-    }
+    on_wgpu(|device| equivalence::equivalence(device, 2, None));
 }
 
 #[test]
 fn wgpu_ranks_hold_identical_parameters_after_every_step() {
-    if let Some(device) = device() {
-        lockstep::identical_after_every_step(&device);
-    }
+    on_wgpu(lockstep::identical_after_every_step);
 }
 
 #[test]
 fn wgpu_accumulation_reduces_once_per_optimizer_step() {
-    if let Some(device) = device() {
-        equivalence::accumulation(&device);
-    }
+    on_wgpu(equivalence::accumulation);
 }
 
 #[test]
 fn wgpu_a_parameter_without_gradient_in_some_steps_neither_hangs_nor_diverges() {
-    if let Some(device) = device() {
-        equivalence::unused_parameter(&device);
-    }
+    on_wgpu(equivalence::unused_parameter);
 }
 
 #[test]
