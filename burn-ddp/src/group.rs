@@ -211,7 +211,7 @@ impl ProcessGroup {
     /// such as ranks reducing different steps): the reason becomes the group's recorded failure
     /// unless another was recorded first, this rank's connections close, and the peers' next
     /// collectives fail with it. Returns the agreed cause.
-    pub fn abort(&self, reason: &str) -> String {
+    pub fn abort(&self, reason: impl std::fmt::Display) -> String {
         let record = FailureRecord {
             culprit: None,
             cause: reason.to_string(),

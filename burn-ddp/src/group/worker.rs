@@ -60,7 +60,10 @@ impl Worker {
     }
 
     /// Runs one transport operation; its failure becomes the group's error.
-    pub(super) fn run<T>(&mut self, op: impl FnOnce(&mut TcpTransport) -> OpResult<T>) -> Result<T> {
+    pub(super) fn run<T>(
+        &mut self,
+        op: impl FnOnce(&mut TcpTransport) -> OpResult<T>,
+    ) -> Result<T> {
         op(&mut self.transport).map_err(|e| match e {
             OpError::Peer(failure) => self.fail(failure),
             OpError::Invalid { op, reason } => DdpError::InvalidArgument {
