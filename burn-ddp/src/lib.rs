@@ -27,6 +27,7 @@
 //! # Ok::<(), burn_ddp::DdpError>(())
 //! ```
 
+#![forbid(unsafe_code)]
 #![warn(missing_docs)]
 
 #[cfg(feature = "cli")]
