@@ -139,7 +139,8 @@ impl ProcessGroup {
     pub fn status(&self) -> &StatusBoard {
         &self.status
     }
-    /// How many all-reduces this rank has issued (for checking communication volume).
+    /// How many all-reduces this rank has issued: a check of communication volume (for
+    /// example that gradient accumulation reduces once per optimizer step, not per batch).
     pub fn all_reduce_count(&self) -> u64 {
         self.all_reduces.load(Ordering::Relaxed)
     }

@@ -47,7 +47,7 @@ pub mod store;
 pub mod train;
 mod wire;
 
-pub use collectives::{DType, Element, OpDesc, OpKind, Reduce, ReduceOp, Work};
+pub use collectives::{DType, Element, Reduce, ReduceOp, Work};
 pub use error::{DdpError, Result};
 pub use group::{
     GroupOptions, ProcessGroup, ProcessGroupBuilder, init_process_group, init_process_group_with,

@@ -1,8 +1,10 @@
-//! Collective operations over flat buffers: element types, reduction operators, operation
-//! descriptions and the [`Work`] handle of an operation started now and waited for later.
+//! Collective operations over flat buffers: element types, reduction operators and the
+//! [`Work`] handle of an operation started now and waited for later.
 //!
 //! The operations themselves are methods of [`crate::ProcessGroup`]; each transport (TCP here,
-//! NCCL in `burn-ddp-nccl`) lives in a module of its own.
+//! NCCL in `burn-ddp-nccl`) lives in a module of its own. How an operation is described on the
+//! wire and in errors (`OpKind`, `OpDesc`) is internal: errors carry it as text, as in
+//! `all_reduce #12 of 4096 x f32`.
 
 pub(crate) mod reduce;
 pub(crate) mod tcp;
@@ -105,7 +107,7 @@ pub enum ReduceOp {
 /// The kinds of collective, as named in errors and on the wire.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[repr(u8)]
-pub enum OpKind {
+pub(crate) enum OpKind {
     /// `all_reduce`.
     AllReduce = 1,
     /// `broadcast`.
@@ -120,7 +122,7 @@ pub enum OpKind {
 
 impl OpKind {
     /// The name used in messages.
-    pub fn name(self) -> &'static str {
+    pub(crate) fn name(self) -> &'static str {
         match self {
             OpKind::AllReduce => "all_reduce",
             OpKind::Broadcast => "broadcast",
@@ -145,7 +147,7 @@ impl OpKind {
 
 /// One collective call: which one, its sequence number in the group, element type and size.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct OpDesc {
+pub(crate) struct OpDesc {
     /// What it is.
     pub kind: OpKind,
     /// Position among the group's collectives (0-based), the same on every rank.
