@@ -142,7 +142,8 @@ impl ProcessGroup {
     pub fn status(&self) -> &StatusBoard {
         &self.status
     }
-    /// How many all-reduces this rank has issued (for checking communication volume).
+    /// How many all-reduces this rank has issued: a check of communication volume (for
+    /// example that gradient accumulation reduces once per optimizer step, not per batch).
     pub fn all_reduce_count(&self) -> u64 {
         self.all_reduces.load(Ordering::Relaxed)
     }
@@ -218,7 +219,7 @@ impl ProcessGroup {
     /// such as ranks reducing different steps): the reason becomes the group's recorded failure
     /// unless another was recorded first, this rank's connections close, and the peers' next
     /// collectives fail with it. Returns the agreed cause.
-    pub fn abort(&self, reason: &str) -> String {
+    pub fn abort(&self, reason: impl std::fmt::Display) -> String {
         let record = FailureRecord {
             culprit: None,
             cause: reason.to_string(),

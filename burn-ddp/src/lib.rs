@@ -27,6 +27,7 @@
 //! # Ok::<(), burn_ddp::DdpError>(())
 //! ```
 
+#![forbid(unsafe_code)]
 #![warn(missing_docs)]
 
 #[cfg(feature = "cli")]
@@ -47,7 +48,7 @@ pub mod train;
 mod wire;
 
 pub use collectives::{
-    Broadcastable, DType, Element, Gatherable, OpDesc, OpKind, Reduce, ReduceOp, Reducible, Work,
+    Broadcastable, DType, Element, Gatherable, Reduce, ReduceOp, Reducible, Work,
 };
 pub use error::{DdpError, Result};
 pub use group::{

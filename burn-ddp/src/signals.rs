@@ -55,22 +55,20 @@ struct Dispatcher {
     next_id: AtomicU64,
 }
 
-static DISPATCHER: OnceLock<Result<Dispatcher, String>> = OnceLock::new();
+/// The dispatcher, or why installing it failed (kept for every later caller).
+static DISPATCHER: OnceLock<std::io::Result<Dispatcher>> = OnceLock::new();
 
 /// Calls `listener` with every stop signal this process receives until the returned
 /// [`Subscription`] is dropped. While nobody listens, a stop signal ends the process at once
 /// with [`exit_code`] (the signals' default action). The handlers are installed by the first
 /// call and stay for the process's life.
 pub fn subscribe(listener: impl Fn(i32) + Send + Sync + 'static) -> Result<Subscription> {
-    let dispatcher = DISPATCHER
-        .get_or_init(|| install().map_err(|e| e.to_string()))
-        .as_ref()
-        .map_err(|e| {
-            DdpError::io(
-                "installing signal handlers",
-                std::io::Error::other(e.clone()),
-            )
-        })?;
+    let dispatcher = DISPATCHER.get_or_init(install).as_ref().map_err(|e| {
+        DdpError::io(
+            "installing signal handlers",
+            std::io::Error::new(e.kind(), e.to_string()),
+        )
+    })?;
     let id = dispatcher.next_id.fetch_add(1, Ordering::Relaxed);
     let mut listeners = dispatcher
         .listeners

@@ -13,7 +13,7 @@ use std::thread::JoinHandle;
 use std::time::Duration;
 
 use crate::store::Store;
-use crate::wire::{Reader, Writer};
+use crate::wire::{DecodeError, Reader, Writer};
 
 /// How often a changed status is published (phase changes are published at once).
 pub const PUBLISH_INTERVAL: Duration = Duration::from_millis(100);
@@ -113,11 +113,15 @@ impl RankStatus {
         w.buf
     }
 
-    fn decode(raw: &[u8]) -> Result<Self, String> {
+    fn decode(raw: &[u8]) -> Result<Self, DecodeError> {
         let mut r = Reader::new(raw);
+        let code = r.u8()?;
         let phase = *Phase::ALL
-            .get(r.u8()? as usize)
-            .ok_or("unknown phase in a status report")?;
+            .get(code as usize)
+            .ok_or(DecodeError::UnknownCode {
+                what: "phase",
+                code,
+            })?;
         let opt = |v: u64| v.checked_sub(1).map(|v| v as usize);
         let text = |s: String| (!s.is_empty()).then_some(s);
         let status = RankStatus {

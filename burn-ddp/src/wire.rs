@@ -46,72 +46,109 @@ impl<'a> Reader<'a> {
     pub(crate) fn new(buf: &'a [u8]) -> Self {
         Reader { buf }
     }
-    fn take(&mut self, n: usize) -> Result<&'a [u8], String> {
+    fn take(&mut self, n: usize) -> Result<&'a [u8], DecodeError> {
         if self.buf.len() < n {
-            return Err(format!(
-                "truncated message: needed {n} more bytes, {} left",
-                self.buf.len()
-            ));
+            return Err(DecodeError::Truncated {
+                needed: n,
+                left: self.buf.len(),
+            });
         }
         let (head, tail) = self.buf.split_at(n);
         self.buf = tail;
         Ok(head)
     }
-    pub(crate) fn u8(&mut self) -> Result<u8, String> {
+    /// `N` bytes as an array.
+    fn array<const N: usize>(&mut self) -> Result<[u8; N], DecodeError> {
+        let mut out = [0u8; N];
+        out.copy_from_slice(self.take(N)?);
+        Ok(out)
+    }
+    pub(crate) fn u8(&mut self) -> Result<u8, DecodeError> {
         Ok(self.take(1)?[0])
     }
-    pub(crate) fn u32(&mut self) -> Result<u32, String> {
-        Ok(u32::from_le_bytes(
-            self.take(4)?.try_into().expect("4 bytes"),
-        ))
+    pub(crate) fn u32(&mut self) -> Result<u32, DecodeError> {
+        self.array().map(u32::from_le_bytes)
     }
-    pub(crate) fn u64(&mut self) -> Result<u64, String> {
-        Ok(u64::from_le_bytes(
-            self.take(8)?.try_into().expect("8 bytes"),
-        ))
+    pub(crate) fn u64(&mut self) -> Result<u64, DecodeError> {
+        self.array().map(u64::from_le_bytes)
     }
-    pub(crate) fn i64(&mut self) -> Result<i64, String> {
-        Ok(i64::from_le_bytes(
-            self.take(8)?.try_into().expect("8 bytes"),
-        ))
+    pub(crate) fn i64(&mut self) -> Result<i64, DecodeError> {
+        self.array().map(i64::from_le_bytes)
     }
-    pub(crate) fn bytes(&mut self) -> Result<&'a [u8], String> {
+    pub(crate) fn bytes(&mut self) -> Result<&'a [u8], DecodeError> {
         let n = self.u32()? as usize;
         self.take(n)
     }
-    pub(crate) fn string(&mut self) -> Result<String, String> {
+    pub(crate) fn string(&mut self) -> Result<String, DecodeError> {
         let b = self.bytes()?;
-        String::from_utf8(b.to_vec()).map_err(|_| "string is not UTF-8".to_string())
+        String::from_utf8(b.to_vec()).map_err(|_| DecodeError::NotUtf8)
     }
     /// Fails unless every byte was consumed.
-    pub(crate) fn finish(&self) -> Result<(), String> {
+    pub(crate) fn finish(&self) -> Result<(), DecodeError> {
         if self.buf.is_empty() {
             Ok(())
         } else {
-            Err(format!("{} unexpected trailing bytes", self.buf.len()))
+            Err(DecodeError::Trailing(self.buf.len()))
         }
     }
+}
+
+/// Why a received body could not be decoded.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub(crate) enum DecodeError {
+    /// A field runs past the end of the body.
+    #[error("truncated message: needed {needed} more bytes, {left} left")]
+    Truncated {
+        /// Bytes the field needs.
+        needed: usize,
+        /// Bytes left in the body.
+        left: usize,
+    },
+    /// A string field holds bytes that are not UTF-8.
+    #[error("string is not UTF-8")]
+    NotUtf8,
+    /// Bytes remain after the last field.
+    #[error("{0} unexpected trailing bytes")]
+    Trailing(usize),
+    /// A code field holds no known value.
+    #[error("unknown {what} code {code}")]
+    UnknownCode {
+        /// What the code stands for, as in `request`.
+        what: &'static str,
+        /// The value found.
+        code: u8,
+    },
+    /// The fields decode but their values do not fit together (the reason in words).
+    #[error("{0}")]
+    Invalid(String),
 }
 
 /// Why reading a frame failed.
-#[derive(Debug)]
+#[derive(Debug, thiserror::Error)]
 pub(crate) enum FrameError {
     /// The peer closed the connection cleanly before a new frame started.
+    #[error("connection closed")]
     Closed,
     /// The socket failed (including timeouts and a close in the middle of a frame).
+    #[error("{0}")]
     Io(io::Error),
     /// The frame announced a length above the limit.
+    #[error("frame of {0} bytes exceeds the limit")]
     TooLong(u64),
 }
 
-impl std::fmt::Display for FrameError {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self {
-            FrameError::Closed => write!(f, "connection closed"),
-            FrameError::Io(e) => write!(f, "{e}"),
-            FrameError::TooLong(n) => write!(f, "frame of {n} bytes exceeds the limit"),
-        }
-    }
+/// Why exchanging a message on a connection failed: the socket, the frame or its body.
+#[derive(Debug, thiserror::Error)]
+pub(crate) enum WireError {
+    /// Writing or configuring the socket failed.
+    #[error("{0}")]
+    Io(#[from] io::Error),
+    /// Reading a frame failed.
+    #[error("{0}")]
+    Frame(#[from] FrameError),
+    /// The frame's body does not decode.
+    #[error("{0}")]
+    Decode(#[from] DecodeError),
 }
 
 /// Writes one frame (length prefix and body).

@@ -1,11 +1,12 @@
-//! Collective operations over flat buffers: element types, reduction operators, operation
-//! descriptions, the buffers collectives accept and the [`Work`] handle of an operation started
-//! now and waited for later.
+//! Collective operations over flat buffers: element types, reduction operators, the buffers
+//! collectives accept and the [`Work`] handle of an operation started now and waited for later.
 //!
 //! The operations themselves are methods of [`crate::ProcessGroup`], generic over the buffer
 //! ([`Reducible`], [`Broadcastable`], [`Gatherable`]): host vectors travel by the TCP transport
 //! ([`tcp`]); burn tensors by the backend of their device kind (`device`, feature `train`: NCCL
-//! for CUDA from `burn-ddp-nccl`, host staging over TCP for every other device).
+//! for CUDA from `burn-ddp-nccl`, host staging over TCP for every other device). How an
+//! operation is described on the wire and in errors (`OpKind`, `OpDesc`) is internal: errors
+//! carry it as text, as in `all_reduce #12 of 4096 x f32`.
 
 mod buffer;
 #[cfg(feature = "train")]
@@ -112,7 +113,7 @@ pub enum ReduceOp {
 /// The kinds of collective, as named in errors and on the wire.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[repr(u8)]
-pub enum OpKind {
+pub(crate) enum OpKind {
     /// `all_reduce`.
     AllReduce = 1,
     /// `broadcast`.
@@ -127,7 +128,7 @@ pub enum OpKind {
 
 impl OpKind {
     /// The name used in messages.
-    pub fn name(self) -> &'static str {
+    pub(crate) fn name(self) -> &'static str {
         match self {
             OpKind::AllReduce => "all_reduce",
             OpKind::Broadcast => "broadcast",
@@ -152,7 +153,7 @@ impl OpKind {
 
 /// One collective call: which one, its sequence number in the group, element type and size.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct OpDesc {
+pub(crate) struct OpDesc {
     /// What it is.
     pub kind: OpKind,
     /// Position among the group's collectives (0-based), the same on every rank.

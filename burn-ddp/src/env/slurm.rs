@@ -19,6 +19,66 @@ pub const JOB_PORT_BASE: u16 = 10_000;
 /// Number of ports in that range.
 pub const JOB_PORT_SPAN: u64 = 20_000;
 
+/// Why a Slurm node list or tasks-per-node list cannot be read.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum SlurmListError {
+    /// Nothing but white space.
+    #[error("the list is empty")]
+    Empty,
+    /// A name with no characters (where: which commas).
+    #[error("an empty host name ({0})")]
+    EmptyName(&'static str),
+    /// Brackets inside brackets.
+    #[error("a '[' inside brackets")]
+    NestedBracket,
+    /// A `[` that is never closed.
+    #[error("a '[' without its ']'")]
+    UnclosedBracket,
+    /// A `]` that was never opened.
+    #[error("a ']' without its '['")]
+    UnopenedBracket,
+    /// Spaces or tabs between names.
+    #[error("white space inside the list")]
+    WhiteSpace,
+    /// A bracket holds something other than digits.
+    #[error("[{ranges}] holds {text:?}, not a number")]
+    NotANumber {
+        /// The inside of the brackets.
+        ranges: String,
+        /// The text that is not a number.
+        text: String,
+    },
+    /// A bracket holds a number too long to count with.
+    #[error("[{ranges}] holds a number with more than 18 digits")]
+    TooManyDigits {
+        /// The inside of the brackets.
+        ranges: String,
+    },
+    /// A range whose end is below its start.
+    #[error("[{ranges}] has the decreasing range {range}")]
+    Decreasing {
+        /// The inside of the brackets.
+        ranges: String,
+        /// The range, as in `3-1`.
+        range: String,
+    },
+    /// More hosts than a `u64` counts.
+    #[error("the list counts more hosts than fit in 64 bits")]
+    CountOverflow,
+    /// More hosts than [`MAX_HOSTS`] (the count).
+    #[error("the list names {0} hosts, more than {MAX_HOSTS}")]
+    TooManyHosts(u64),
+    /// A tasks-per-node entry whose count is not a number.
+    #[error("{0:?} is not a number")]
+    NotACount(String),
+    /// A tasks-per-node entry with parentheses not of the form `N(xM)`.
+    #[error("{0:?} is not of the form N(xM)")]
+    NotARun(String),
+    /// A tasks-per-node entry repeated zero times.
+    #[error("{0:?} repeats zero times")]
+    ZeroRepeat(String),
+}
+
 /// One name of a node list: literal text and bracketed ranges, in order.
 #[derive(Debug, Clone, PartialEq)]
 enum Part {
@@ -28,10 +88,10 @@ enum Part {
 }
 
 /// Parses a compact node list into its names, each a sequence of parts.
-fn parse_nodelist(list: &str) -> std::result::Result<Vec<Vec<Part>>, String> {
+fn parse_nodelist(list: &str) -> std::result::Result<Vec<Vec<Part>>, SlurmListError> {
     let list = list.trim();
     if list.is_empty() {
-        return Err("the list is empty".into());
+        return Err(SlurmListError::Empty);
     }
     let mut names = Vec::new();
     let mut parts = Vec::new();
@@ -44,9 +104,9 @@ fn parse_nodelist(list: &str) -> std::result::Result<Vec<Vec<Part>>, String> {
                     parts.push(Part::Text(std::mem::take(&mut text)));
                 }
                 if parts.is_empty() {
-                    return Err("an empty host name (two commas in a row, or a leading or \
-                                trailing comma)"
-                        .into());
+                    return Err(SlurmListError::EmptyName(
+                        "two commas in a row, or a leading or trailing comma",
+                    ));
                 }
                 names.push(std::mem::take(&mut parts));
             }
@@ -58,15 +118,15 @@ fn parse_nodelist(list: &str) -> std::result::Result<Vec<Vec<Part>>, String> {
                 loop {
                     match chars.next() {
                         Some(']') => break,
-                        Some('[') => return Err("a '[' inside brackets".into()),
+                        Some('[') => return Err(SlurmListError::NestedBracket),
                         Some(c) => inner.push(c),
-                        None => return Err("a '[' without its ']'".into()),
+                        None => return Err(SlurmListError::UnclosedBracket),
                     }
                 }
                 parts.push(Part::Ranges(parse_ranges(&inner)?));
             }
-            ']' => return Err("a ']' without its '['".into()),
-            c if c.is_whitespace() => return Err("white space inside the list".into()),
+            ']' => return Err(SlurmListError::UnopenedBracket),
+            c if c.is_whitespace() => return Err(SlurmListError::WhiteSpace),
             c => text.push(c),
         }
     }
@@ -74,23 +134,27 @@ fn parse_nodelist(list: &str) -> std::result::Result<Vec<Vec<Part>>, String> {
         parts.push(Part::Text(text));
     }
     if parts.is_empty() {
-        return Err("an empty host name (a trailing comma)".into());
+        return Err(SlurmListError::EmptyName("a trailing comma"));
     }
     names.push(parts);
     Ok(names)
 }
 
 /// Parses `01-03,7` (the inside of brackets).
-fn parse_ranges(inner: &str) -> std::result::Result<Vec<(u64, u64, usize)>, String> {
-    let number = |s: &str| -> std::result::Result<u64, String> {
+fn parse_ranges(inner: &str) -> std::result::Result<Vec<(u64, u64, usize)>, SlurmListError> {
+    let ranges = || inner.to_string();
+    let number = |s: &str| -> std::result::Result<u64, SlurmListError> {
+        let not_a_number = || SlurmListError::NotANumber {
+            ranges: ranges(),
+            text: s.to_string(),
+        };
         if s.is_empty() || !s.bytes().all(|b| b.is_ascii_digit()) {
-            return Err(format!("[{inner}] holds {s:?}, not a number"));
+            return Err(not_a_number());
         }
         if s.len() > 18 {
-            return Err(format!("[{inner}] holds a number with more than 18 digits"));
+            return Err(SlurmListError::TooManyDigits { ranges: ranges() });
         }
-        s.parse()
-            .map_err(|_| format!("[{inner}]: bad number {s:?}"))
+        s.parse().map_err(|_| not_a_number())
     };
     inner
         .split(',')
@@ -98,7 +162,10 @@ fn parse_ranges(inner: &str) -> std::result::Result<Vec<(u64, u64, usize)>, Stri
             let (lo, hi) = r.split_once('-').unwrap_or((r, r));
             let (first, last) = (number(lo)?, number(hi)?);
             if first > last {
-                return Err(format!("[{inner}] has the decreasing range {r}"));
+                return Err(SlurmListError::Decreasing {
+                    ranges: ranges(),
+                    range: r.to_string(),
+                });
             }
             Ok((first, last, lo.len()))
         })
@@ -119,17 +186,17 @@ fn name_count(parts: &[Part]) -> Option<u64> {
 }
 
 /// Number of hosts in a compact node list, without expanding it.
-pub fn count_hosts(list: &str) -> std::result::Result<u64, String> {
+pub fn count_hosts(list: &str) -> std::result::Result<u64, SlurmListError> {
     parse_nodelist(list)?.iter().try_fold(0u64, |n, name| {
         name_count(name)
             .and_then(|k| n.checked_add(k))
-            .ok_or_else(|| "the list counts more hosts than fit in 64 bits".to_string())
+            .ok_or(SlurmListError::CountOverflow)
     })
 }
 
 /// The first host of a compact node list (`node[01-03,7],gpu-a` gives `node01`), without
 /// expanding the rest.
-pub fn first_host(list: &str) -> std::result::Result<String, String> {
+pub fn first_host(list: &str) -> std::result::Result<String, SlurmListError> {
     let names = parse_nodelist(list)?;
     let mut host = String::new();
     for part in &names[0] {
@@ -150,12 +217,10 @@ pub fn first_host(list: &str) -> std::result::Result<String, String> {
 ///     ["node01", "node02", "node03", "node7", "gpu-a"]
 /// );
 /// ```
-pub fn expand_nodelist(list: &str) -> std::result::Result<Vec<String>, String> {
+pub fn expand_nodelist(list: &str) -> std::result::Result<Vec<String>, SlurmListError> {
     let total = count_hosts(list)?;
     if total > MAX_HOSTS as u64 {
-        return Err(format!(
-            "the list names {total} hosts, more than {MAX_HOSTS}"
-        ));
+        return Err(SlurmListError::TooManyHosts(total));
     }
     let mut hosts = Vec::with_capacity(total as usize);
     for name in parse_nodelist(list)? {
@@ -179,16 +244,18 @@ pub fn expand_nodelist(list: &str) -> std::result::Result<Vec<String>, String> {
 }
 
 /// Parses a tasks-per-node list (`2(x3),1`) into `(tasks, nodes)` runs.
-pub fn parse_tasks_per_node(spec: &str) -> std::result::Result<Vec<(usize, usize)>, String> {
+pub fn parse_tasks_per_node(
+    spec: &str,
+) -> std::result::Result<Vec<(usize, usize)>, SlurmListError> {
     let spec = spec.trim();
     if spec.is_empty() {
-        return Err("the list is empty".into());
+        return Err(SlurmListError::Empty);
     }
     let number = |s: &str| {
         s.parse::<usize>()
             .ok()
             .filter(|_| s.bytes().all(|b| b.is_ascii_digit()))
-            .ok_or_else(|| format!("{s:?} is not a number"))
+            .ok_or_else(|| SlurmListError::NotACount(s.to_string()))
     };
     spec.split(',')
         .map(|entry| {
@@ -198,12 +265,12 @@ pub fn parse_tasks_per_node(spec: &str) -> std::result::Result<Vec<(usize, usize
                     let nodes = rest
                         .strip_prefix('x')
                         .and_then(|r| r.strip_suffix(')'))
-                        .ok_or_else(|| format!("{entry:?} is not of the form N(xM)"))?;
+                        .ok_or_else(|| SlurmListError::NotARun(entry.to_string()))?;
                     (number(tasks)?, number(nodes)?)
                 }
             };
             if nodes == 0 {
-                return Err(format!("{entry:?} repeats zero times"));
+                return Err(SlurmListError::ZeroRepeat(entry.to_string()));
             }
             Ok((tasks, nodes))
         })

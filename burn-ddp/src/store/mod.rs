@@ -3,6 +3,12 @@
 //! PyTorch c10d `TCPStore` torchrun's agent serves there ([`StoreKind::C10d`]). Ranks publish
 //! their data-plane addresses through it, agree on failures through it and (with the NCCL
 //! backend) pass the NCCL unique id through it, as with PyTorch's `TCPStore`.
+//!
+//! The module is public because programs may use the store too, as PyTorch programs use
+//! `TCPStore`: [`ProcessGroup::store`](crate::ProcessGroup::store) gives every rank the same
+//! store, on which a program may set, get, add and wait for keys of its own (to pass a run id
+//! from rank 0, count finished ranks, and so on). burn-ddp's own keys all start with `bddp/`;
+//! keep yours out of that prefix.
 
 mod c10d;
 mod native;

@@ -10,7 +10,7 @@ use super::ANSWER_MARGIN;
 use super::protocol::{HELLO, MAX_FRAME_LEN, Request, Response};
 use crate::error::{DdpError, Result};
 use crate::secret::JobSecret;
-use crate::wire::{read_frame, write_frame};
+use crate::wire::{WireError, read_frame, write_frame};
 
 /// A connection to a [`StoreServer`](super::StoreServer).
 pub(crate) struct NativeClient {
@@ -88,13 +88,11 @@ impl NativeClient {
         let Some(stream) = guard.as_mut() else {
             return Err(self.error("the connection was lost earlier".into()));
         };
-        let exchange = |stream: &mut TcpStream| -> std::result::Result<Response, String> {
-            stream
-                .set_read_timeout(Some(wait + ANSWER_MARGIN))
-                .map_err(|e| e.to_string())?;
-            write_frame(stream, &req.encode()).map_err(|e| e.to_string())?;
-            let body = read_frame(stream, MAX_FRAME_LEN).map_err(|e| e.to_string())?;
-            Response::decode(&body)
+        let exchange = |stream: &mut TcpStream| -> std::result::Result<Response, WireError> {
+            stream.set_read_timeout(Some(wait + ANSWER_MARGIN))?;
+            write_frame(stream, &req.encode())?;
+            let body = read_frame(stream, MAX_FRAME_LEN)?;
+            Ok(Response::decode(&body)?)
         };
         match exchange(stream) {
             Ok(Response::Error(e)) => Err(self.error(format!("request refused: {e}"))),

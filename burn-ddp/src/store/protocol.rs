@@ -8,7 +8,7 @@
 
 use std::time::Duration;
 
-use crate::wire::{Reader, Writer};
+use crate::wire::{DecodeError, Reader, Writer};
 
 /// First bytes of every store connection, both directions.
 pub(crate) const HELLO: &[u8] = b"burn-ddp store v2";
@@ -68,10 +68,11 @@ fn millis(d: Duration) -> u64 {
     d.as_millis().min(u64::MAX as u128) as u64
 }
 
-fn key(r: &mut Reader<'_>) -> Result<String, String> {
+fn key(r: &mut Reader<'_>) -> Result<String, DecodeError> {
     let k = r.string()?;
     if k.len() > MAX_KEY_LEN {
-        return Err(format!("key of {} bytes exceeds {MAX_KEY_LEN}", k.len()));
+        let reason = format!("key of {} bytes exceeds {MAX_KEY_LEN}", k.len());
+        return Err(DecodeError::Invalid(reason));
     }
     Ok(k)
 }
@@ -105,7 +106,7 @@ impl Request {
         w.buf
     }
 
-    pub(crate) fn decode(body: &[u8]) -> Result<Self, String> {
+    pub(crate) fn decode(body: &[u8]) -> Result<Self, DecodeError> {
         let mut r = Reader::new(body);
         let req = match r.u8()? {
             code::SET => Request::Set {
@@ -137,7 +138,12 @@ impl Request {
                     timeout: Duration::from_millis(r.u64()?),
                 }
             }
-            other => return Err(format!("unknown request code {other}")),
+            other => {
+                return Err(DecodeError::UnknownCode {
+                    what: "request",
+                    code: other,
+                });
+            }
         };
         r.finish()?;
         Ok(req)
@@ -163,7 +169,7 @@ impl Response {
         w.buf
     }
 
-    pub(crate) fn decode(body: &[u8]) -> Result<Self, String> {
+    pub(crate) fn decode(body: &[u8]) -> Result<Self, DecodeError> {
         let mut r = Reader::new(body);
         let resp = match r.u8()? {
             code::OK => Response::Ok,
@@ -178,7 +184,12 @@ impl Response {
                 Response::Timeout(keys)
             }
             code::ERROR => Response::Error(String::from_utf8_lossy(r.bytes()?).into_owned()),
-            other => return Err(format!("unknown response code {other}")),
+            other => {
+                return Err(DecodeError::UnknownCode {
+                    what: "response",
+                    code: other,
+                });
+            }
         };
         r.finish()?;
         Ok(resp)

@@ -20,7 +20,7 @@ use std::time::{Duration, Instant};
 use super::protocol::{HELLO, MAX_FRAME_LEN, Request, Response};
 use crate::error::{DdpError, Result};
 use crate::secret::{JobSecret, MAX_SECRET_LEN, admits};
-use crate::wire::{FrameError, read_frame, write_frame};
+use crate::wire::{DecodeError, FrameError, read_frame, write_frame};
 
 const HELLO_TIMEOUT: Duration = StoreServer::HELLO_TIMEOUT;
 const MAX_PENDING: usize = StoreServer::MAX_PENDING;
@@ -283,27 +283,60 @@ impl Read for Before<'_> {
     }
 }
 
+/// Why a connection was not admitted.
+#[derive(Debug, thiserror::Error)]
+enum Refusal {
+    /// Configuring or answering the socket failed.
+    #[error("{0}")]
+    Io(#[from] io::Error),
+    /// The client sent no hello in time.
+    #[error("no hello: {0}")]
+    NoHello(io::Error),
+    /// The hello is not burn-ddp's.
+    #[error("not a burn-ddp store client (bad hello)")]
+    BadHello,
+    /// The client sent no secret frame in time.
+    #[error("no secret: {0}")]
+    NoSecret(FrameError),
+    /// The client does not present the job secret.
+    #[error("refused a client without the job secret")]
+    WrongSecret,
+    /// Closed to make room for newer connections.
+    #[error("closed as one of more than {MAX_PENDING} pending connections")]
+    Evicted,
+}
+
+/// Why serving an admitted client ended other than by its close.
+#[derive(Debug, thiserror::Error)]
+enum ServeError {
+    /// Reading a request failed.
+    #[error("{0}")]
+    Frame(#[from] FrameError),
+    /// Writing the answer failed.
+    #[error("{0}")]
+    Io(#[from] io::Error),
+    /// The client sent a request that does not decode (it was answered with an error).
+    #[error("bad request: {0}")]
+    BadRequest(DecodeError),
+}
+
 /// Reads the client's hello and secret within [`HELLO_TIMEOUT`] and answers; `Ok` when the
 /// client (connection `id`) is admitted.
-fn admit(stream: &TcpStream, shared: &Shared, id: u64) -> std::result::Result<(), String> {
+fn admit(stream: &TcpStream, shared: &Shared, id: u64) -> std::result::Result<(), Refusal> {
     let _ = stream.set_nodelay(true);
     let mut out = stream;
-    out.set_write_timeout(Some(HELLO_TIMEOUT))
-        .map_err(|e| e.to_string())?;
+    out.set_write_timeout(Some(HELLO_TIMEOUT))?;
     let mut input = Before {
         stream,
         deadline: Instant::now() + HELLO_TIMEOUT,
     };
     let mut hello = vec![0u8; HELLO.len()];
-    input
-        .read_exact(&mut hello)
-        .map_err(|e| format!("no hello: {e}"))?;
+    input.read_exact(&mut hello).map_err(Refusal::NoHello)?;
     if hello != HELLO {
-        return Err("not a burn-ddp store client (bad hello)".into());
+        return Err(Refusal::BadHello);
     }
-    let presented =
-        read_frame(&mut input, MAX_SECRET_LEN).map_err(|e| format!("no secret: {e}"))?;
-    out.write_all(HELLO).map_err(|e| e.to_string())?;
+    let presented = read_frame(&mut input, MAX_SECRET_LEN).map_err(Refusal::NoSecret)?;
+    out.write_all(HELLO)?;
     if !admits(shared.secret.as_ref(), &presented) {
         let _ = write_frame(
             &mut out,
@@ -314,37 +347,34 @@ fn admit(stream: &TcpStream, shared: &Shared, id: u64) -> std::result::Result<()
             .map(|a| a.to_string())
             .unwrap_or_default();
         log::warn!("store: refused a client without the job secret from {peer}");
-        return Err("refused a client without the job secret".into());
+        return Err(Refusal::WrongSecret);
     }
     if !shared.conns().admitted(id) {
-        return Err(format!(
-            "closed as one of more than {MAX_PENDING} pending connections"
-        ));
+        return Err(Refusal::Evicted);
     }
-    write_frame(&mut out, b"").map_err(|e| e.to_string())?;
+    write_frame(&mut out, b"")?;
     // Clients may stay idle for a whole training run.
-    stream
-        .set_read_timeout(None)
-        .and_then(|_| stream.set_write_timeout(None))
-        .map_err(|e| e.to_string())
+    stream.set_read_timeout(None)?;
+    stream.set_write_timeout(None)?;
+    Ok(())
 }
 
 /// Answers an admitted client's requests until it closes the connection.
-fn serve_client(stream: &TcpStream, shared: &Shared) -> std::result::Result<(), String> {
+fn serve_client(stream: &TcpStream, shared: &Shared) -> std::result::Result<(), ServeError> {
     let mut stream = stream;
     loop {
         let body = match read_frame(&mut stream, MAX_FRAME_LEN) {
             Ok(b) => b,
             Err(FrameError::Closed) => return Ok(()),
-            Err(e) => return Err(e.to_string()),
+            Err(e) => return Err(e.into()),
         };
         let (response, fatal) = match Request::decode(&body) {
             Ok(req) => (handle(req, shared), None),
             Err(e) => (Response::Error(format!("bad request: {e}")), Some(e)),
         };
-        write_frame(&mut stream, &response.encode()).map_err(|e| e.to_string())?;
+        write_frame(&mut stream, &response.encode())?;
         if let Some(e) = fatal {
-            return Err(format!("bad request: {e}"));
+            return Err(ServeError::BadRequest(e));
         }
     }
 }

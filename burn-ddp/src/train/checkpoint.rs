@@ -16,28 +16,24 @@
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, Condvar, Mutex};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use burn::optim::OptimizerRecord;
 use burn::optim::lr_scheduler::LrSchedulerRecord;
-use burn::store::ModuleRecord;
+use burn::store::{ModuleRecord, RecordError};
 use burn::tensor::Bytes;
-use burn::train::checkpoint::{
-    AsyncCheckpointer, Checkpoint, Checkpointer, CheckpointerError, CheckpointingAction,
-    CheckpointingStrategy,
-};
-use burn::train::metric::store::EventStoreClient;
-use burn::train::{Learner, LearnerModel, LearningCheckpointer};
+use burn::train::{Learner, LearnerModel};
 
 use crate::ProcessGroup;
 use crate::error::{DdpError, Result};
-use crate::wire::{Reader, Writer};
+use crate::wire::{DecodeError, Reader, Writer};
 
 /// File name of the checkpoint inside the directory.
 pub const CHECKPOINT_FILE: &str = "checkpoint.bddp";
 const MAGIC: &[u8; 8] = b"BDDPCKPT";
 const VERSION: u32 = 1;
+
+mod handover;
 
 /// Where and how often [`DdpLearner`](super::DdpLearner) writes checkpoints.
 ///
@@ -98,6 +94,43 @@ pub struct Position {
     pub world_size: usize,
 }
 
+/// Why a checkpoint could not be taken, decoded or loaded.
+#[derive(Debug, thiserror::Error)]
+pub(crate) enum SnapshotError {
+    /// The file does not start with the checkpoint magic.
+    #[error("not a burn-ddp checkpoint")]
+    NotACheckpoint,
+    /// The checksum does not match the contents.
+    #[error("the checksum does not match: the file is damaged")]
+    Damaged,
+    /// Another format version (the one found).
+    #[error("format version {0}, expected {VERSION}")]
+    Version(u32),
+    /// A stored size does not fit this machine's `usize`.
+    #[error("a size does not fit")]
+    SizeOverflow,
+    /// The body does not decode.
+    #[error("{0}")]
+    Decode(#[from] DecodeError),
+    /// burn cannot read one of the records.
+    #[error("{what} record: {source}")]
+    Record {
+        /// Which record: `model`, `optimizer` or `learning-rate schedule`.
+        what: &'static str,
+        /// burn's error.
+        source: RecordError,
+    },
+    /// The model record does not fit the model (burn's error).
+    #[error("the checkpoint's model does not fit this model: {0}")]
+    ModelMismatch(RecordError),
+    /// burn-train's checkpointer did not hand over the records within the timeout.
+    #[error("burn-train did not hand over the records in {0:?}")]
+    HandOver(Duration),
+    /// burn could not encode a record (its error).
+    #[error("{0}")]
+    Encode(String),
+}
+
 /// A checkpoint's contents.
 pub(crate) struct Snapshot {
     pub position: Position,
@@ -131,21 +164,21 @@ impl Snapshot {
         w.buf
     }
 
-    fn decode(raw: &[u8]) -> std::result::Result<Self, String> {
+    fn decode(raw: &[u8]) -> std::result::Result<Self, SnapshotError> {
         if raw.len() < MAGIC.len() + 12 || &raw[..MAGIC.len()] != MAGIC {
-            return Err("not a burn-ddp checkpoint".into());
+            return Err(SnapshotError::NotACheckpoint);
         }
         let (body, sum) = raw.split_at(raw.len() - 8);
         let mut tail = Reader::new(sum);
         if tail.u64()? != checksum(body) {
-            return Err("the checksum does not match: the file is damaged".into());
+            return Err(SnapshotError::Damaged);
         }
         let mut r = Reader::new(&body[MAGIC.len()..]);
         let version = r.u32()?;
         if version != VERSION {
-            return Err(format!("format version {version}, expected {VERSION}"));
+            return Err(SnapshotError::Version(version));
         }
-        let size = |v: u64| usize::try_from(v).map_err(|_| "a size does not fit".to_string());
+        let size = |v: u64| usize::try_from(v).map_err(|_| SnapshotError::SizeOverflow);
         let position = Position {
             epoch: size(r.u64()?)?,
             batches: size(r.u64()?)?,
@@ -162,130 +195,26 @@ impl Snapshot {
         Ok(snapshot)
     }
 
-    /// Takes the learner's state. burn-train hands the optimizer and schedule records only to a
-    /// `LearningCheckpointer`, so one is built over an in-memory [`Part`] per record.
-    pub(crate) fn take<M: LearnerModel>(
-        learner: &Learner<M>,
-        position: Position,
-        events: &EventStoreClient,
-        timeout: Duration,
-    ) -> std::result::Result<Self, String> {
-        fn part<R: Checkpoint>(slot: usize, parts: &Arc<Parts>) -> AsyncCheckpointer<R> {
-            AsyncCheckpointer::new(Part {
-                slot,
-                parts: parts.clone(),
-            })
-        }
-        let parts = Arc::new(Parts::default());
-        let mut checkpointer: LearningCheckpointer<M> = LearningCheckpointer::new(
-            part(0, &parts),
-            part(1, &parts),
-            part(2, &parts),
-            Box::new(SaveAlways),
-        );
-        checkpointer.checkpoint(learner, position.epoch, events);
-        let [model, optim, scheduler] = parts.wait(timeout)?;
-        Ok(Snapshot {
-            position,
-            model,
-            optim,
-            scheduler,
-        })
-    }
-
     /// Loads the records into `learner` (model parameters keep their device).
     pub(crate) fn restore<M: LearnerModel>(
         &self,
         learner: &mut Learner<M>,
-    ) -> std::result::Result<(), String> {
+    ) -> std::result::Result<(), SnapshotError> {
         let bytes = |v: &Vec<u8>| Bytes::from_bytes_vec(v.clone());
-        let model = ModuleRecord::from_bytes(bytes(&self.model))
-            .map_err(|e| format!("model record: {e}"))?;
-        let optim = OptimizerRecord::from_bytes(bytes(&self.optim))
-            .map_err(|e| format!("optimizer record: {e}"))?;
+        let record = |what| move |source| SnapshotError::Record { what, source };
+        let model = ModuleRecord::from_bytes(bytes(&self.model)).map_err(record("model"))?;
+        let optim = OptimizerRecord::from_bytes(bytes(&self.optim)).map_err(record("optimizer"))?;
         let scheduler = LrSchedulerRecord::from_bytes(bytes(&self.scheduler))
-            .map_err(|e| format!("learning-rate schedule record: {e}"))?;
+            .map_err(record("learning-rate schedule"))?;
         // burn's `load_model` panics on a record that does not fit: try it on a copy first.
         learner
             .model()
             .try_load_record(model.clone())
-            .map_err(|e| format!("the checkpoint's model does not fit this model: {e}"))?;
+            .map_err(SnapshotError::ModelMismatch)?;
         learner.load_model(model);
         learner.load_optim(optim);
         learner.load_scheduler(scheduler);
         Ok(())
-    }
-}
-
-/// A record's bytes, or why it could not be encoded.
-type Encoded = std::result::Result<Vec<u8>, String>;
-
-/// Records arriving from burn-train's checkpointer threads.
-#[derive(Default)]
-struct Parts {
-    slots: Mutex<[Option<Encoded>; 3]>,
-    ready: Condvar,
-}
-
-impl Parts {
-    fn wait(&self, timeout: Duration) -> std::result::Result<[Vec<u8>; 3], String> {
-        let deadline = Instant::now() + timeout;
-        let mut slots = self.slots.lock().unwrap_or_else(|p| p.into_inner());
-        while slots.iter().any(Option::is_none) {
-            let left = deadline.saturating_duration_since(Instant::now());
-            if left.is_zero() {
-                return Err(format!(
-                    "burn-train did not hand over the records in {timeout:?}"
-                ));
-            }
-            slots = self
-                .ready
-                .wait_timeout(slots, left)
-                .unwrap_or_else(|p| p.into_inner())
-                .0;
-        }
-        let mut out: [Vec<u8>; 3] = Default::default();
-        for (o, s) in out.iter_mut().zip(slots.iter_mut()) {
-            *o = s.take().unwrap_or_else(|| Ok(Vec::new()))?;
-        }
-        Ok(out)
-    }
-}
-
-/// One record's in-memory checkpointer.
-struct Part {
-    slot: usize,
-    parts: Arc<Parts>,
-}
-
-impl<R: Checkpoint> Checkpointer<R> for Part {
-    fn save(&self, _epoch: usize, record: R) -> std::result::Result<(), CheckpointerError> {
-        let bytes = record
-            .checkpoint_into_bytes()
-            .map(|b| b.to_vec())
-            .map_err(|e| e.to_string());
-        let mut slots = self.parts.slots.lock().unwrap_or_else(|p| p.into_inner());
-        slots[self.slot] = Some(bytes);
-        self.parts.ready.notify_all();
-        Ok(())
-    }
-
-    fn delete(&self, _epoch: usize) -> std::result::Result<(), CheckpointerError> {
-        Ok(())
-    }
-
-    fn restore(&self, _epoch: usize) -> std::result::Result<R, CheckpointerError> {
-        Err(CheckpointerError::Unknown(
-            "burn-ddp restores its checkpoints itself".into(),
-        ))
-    }
-}
-
-struct SaveAlways;
-
-impl CheckpointingStrategy for SaveAlways {
-    fn checkpointing(&mut self, _: usize, _: &EventStoreClient) -> Vec<CheckpointingAction> {
-        vec![CheckpointingAction::Save]
     }
 }
 
@@ -329,11 +258,11 @@ pub fn inspect_checkpoint(path: &Path) -> Result<Position> {
 pub(crate) fn save(
     group: &ProcessGroup,
     config: &CheckpointConfig,
-    snapshot: Option<std::result::Result<Snapshot, String>>,
+    snapshot: Option<std::result::Result<Snapshot, SnapshotError>>,
 ) -> Result<()> {
     let outcome = match snapshot {
         None => String::new(),
-        Some(Err(e)) => e,
+        Some(Err(e)) => e.to_string(),
         Some(Ok(s)) => match write_atomically(&config.path(), &s.encode()) {
             Ok(()) => {
                 log::info!(
@@ -428,6 +357,9 @@ mod tests {
         }
         let mut flipped = raw.clone();
         flipped[30] ^= 1;
-        assert!(matches!(Snapshot::decode(&flipped), Err(e) if e.contains("damaged")));
+        assert!(matches!(
+            Snapshot::decode(&flipped),
+            Err(SnapshotError::Damaged)
+        ));
     }
 }

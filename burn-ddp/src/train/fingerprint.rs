@@ -51,7 +51,7 @@ impl Fingerprint {
 
     /// Checks the summed fingerprint of the reduced bucket; the error says what this rank
     /// reduced and, when the other ranks agree among themselves, what they reduced.
-    pub(crate) fn check(&self, summed: &[f32], world: usize) -> Result<(), String> {
+    pub(crate) fn check(&self, summed: &[f32], world: usize) -> Result<(), Desync> {
         let n = world as f32;
         let own = self.values();
         if summed.len() == FINGERPRINT_LEN && summed.iter().zip(own).all(|(s, o)| *s == n * o) {
@@ -68,28 +68,64 @@ impl Fingerprint {
                     .collect()
             })
             .flatten();
-        let theirs = match others {
-            Some(d) => {
-                let b: Vec<u8> = d.chunks(2).map(|p| p[0] | (p[1] << 4)).collect();
-                format!(
-                    "the other ranks reduce epoch {} step {} bucket {}",
-                    b[2],
-                    u16::from_le_bytes([b[0], b[1]]),
-                    u16::from_le_bytes([b[3], b[4]]) as usize + 1,
-                )
+        let theirs = others.map(|d| {
+            let b: Vec<u8> = d.chunks(2).map(|p| p[0] | (p[1] << 4)).collect();
+            Reduced {
+                epoch: b[2] as usize,
+                step: u16::from_le_bytes([b[0], b[1]]) as usize,
+                bucket: u16::from_le_bytes([b[3], b[4]]) as usize + 1,
             }
-            None => "the other ranks reduce something else".to_string(),
-        };
-        Err(format!(
-            "ranks disagree on what they reduce (desync): this rank reduces epoch {} step {} \
-             bucket {} ({} values), {theirs}; a rank skipped or added a step, or the ranks' \
-             models differ",
-            self.epoch % 256,
-            self.step % (1 << 16),
-            self.bucket + 1,
-            self.len
-        ))
+        });
+        Err(Desync {
+            own: Reduced {
+                epoch: self.epoch % 256,
+                step: self.step % (1 << 16),
+                bucket: self.bucket + 1,
+            },
+            len: self.len,
+            theirs,
+        })
     }
+}
+
+/// What a fingerprint says a bucket is, as far as its digits tell: the epoch modulo 256, the
+/// step modulo 65 536, the bucket (1-based).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Reduced {
+    epoch: usize,
+    step: usize,
+    bucket: usize,
+}
+
+impl std::fmt::Display for Reduced {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let Reduced {
+            epoch,
+            step,
+            bucket,
+        } = self;
+        write!(f, "epoch {epoch} step {step} bucket {bucket}")
+    }
+}
+
+/// Ranks reduced different buckets: what this rank reduced and, when the other ranks agree
+/// among themselves, what they reduced.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error(
+    "ranks disagree on what they reduce (desync): this rank reduces {own} ({len} values), {}; \
+     a rank skipped or added a step, or the ranks' models differ",
+    match theirs {
+        Some(r) => format!("the other ranks reduce {r}"),
+        None => "the other ranks reduce something else".to_string(),
+    }
+)]
+pub(crate) struct Desync {
+    /// What this rank reduced.
+    own: Reduced,
+    /// Gradient values in this rank's bucket.
+    len: usize,
+    /// What the other ranks reduced, if they agree among themselves.
+    theirs: Option<Reduced>,
 }
 
 #[cfg(test)]
@@ -136,7 +172,7 @@ mod tests {
         let sums: Vec<f32> = big.values().iter().map(|v| v * 65_536.0).collect();
         assert!(big.check(&sums, 65_536).is_ok());
         let pair = [f(1, 9, 0, 10), f(1, 10, 0, 10)];
-        let e = pair[0].check(&summed(&pair), 2).unwrap_err();
+        let e = pair[0].check(&summed(&pair), 2).unwrap_err().to_string();
         assert!(
             e.contains("this rank reduces epoch 1 step 9 bucket 1")
                 && e.contains("the other ranks reduce epoch 1 step 10 bucket 1"),

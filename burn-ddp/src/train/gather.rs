@@ -7,7 +7,7 @@ use burn::train::{ClassificationOutput, RegressionOutput};
 use crate::ProcessGroup;
 use crate::collectives::Work;
 use crate::error::{DdpError, Result};
-use crate::wire::{Reader, Writer};
+use crate::wire::{DecodeError, Reader, Writer};
 
 /// A training or validation output that can be combined across ranks: each rank encodes its
 /// own, the bytes are gathered, and rank 0 decodes all ranks' outputs into one (the
@@ -23,7 +23,7 @@ pub trait GlobalItem: Sized {
 /// A tensor field of an output: encoded with its shape, concatenated along dimension 0.
 trait Field: Sized {
     fn put(self, w: &mut Writer);
-    fn get(r: &mut Reader<'_>, device: &Device) -> std::result::Result<Self, String>;
+    fn get(r: &mut Reader<'_>, device: &Device) -> std::result::Result<Self, DecodeError>;
     fn cat(parts: Vec<Self>) -> Self;
 }
 
@@ -31,7 +31,7 @@ impl<const D: usize> Field for Tensor<D> {
     fn put(self, w: &mut Writer) {
         put(w, self.into_data().convert::<f32>())
     }
-    fn get(r: &mut Reader<'_>, device: &Device) -> std::result::Result<Self, String> {
+    fn get(r: &mut Reader<'_>, device: &Device) -> std::result::Result<Self, DecodeError> {
         Ok(Tensor::from_data(get::<f32>(r)?, device))
     }
     fn cat(parts: Vec<Self>) -> Self {
@@ -43,7 +43,7 @@ impl<const D: usize> Field for Tensor<D, Int> {
     fn put(self, w: &mut Writer) {
         put(w, self.into_data().convert::<i64>())
     }
-    fn get(r: &mut Reader<'_>, device: &Device) -> std::result::Result<Self, String> {
+    fn get(r: &mut Reader<'_>, device: &Device) -> std::result::Result<Self, DecodeError> {
         Ok(Tensor::from_data(get::<i64>(r)?, device))
     }
     fn cat(parts: Vec<Self>) -> Self {
@@ -62,10 +62,10 @@ fn put(w: &mut Writer, data: TensorData) {
 
 fn get<E: burn::tensor::Element + bytemuck::Pod>(
     r: &mut Reader<'_>,
-) -> std::result::Result<TensorData, String> {
+) -> std::result::Result<TensorData, DecodeError> {
     let n = r.u32()? as usize;
     if n > 8 {
-        return Err(format!("tensor of rank {n}"));
+        return Err(DecodeError::Invalid(format!("tensor of rank {n}")));
     }
     let dims: Vec<usize> = (0..n)
         .map(|_| r.u64().map(|d| d as usize))
@@ -73,7 +73,8 @@ fn get<E: burn::tensor::Element + bytemuck::Pod>(
     let bytes = r.bytes()?;
     let count = dims.iter().try_fold(1usize, |a, d| a.checked_mul(*d));
     if count.and_then(|c| c.checked_mul(size_of::<E>())) != Some(bytes.len()) {
-        return Err(format!("{} bytes for shape {dims:?}", bytes.len()));
+        let reason = format!("{} bytes for shape {dims:?}", bytes.len());
+        return Err(DecodeError::Invalid(reason));
     }
     let values: Vec<E> = bytemuck::pod_collect_to_vec(bytes);
     Ok(TensorData::new(values, dims))

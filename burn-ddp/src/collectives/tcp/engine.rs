@@ -408,7 +408,12 @@ fn check_control(peers: &mut [Option<Peer>], peer: usize) -> Faulty {
                                 ),
                             });
                         }
-                        Err(e) => return Err(Fault { peer, detail: e }),
+                        Err(e) => {
+                            return Err(Fault {
+                                peer,
+                                detail: e.to_string(),
+                            });
+                        }
                     }
                 }
             }

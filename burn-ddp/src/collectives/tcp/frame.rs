@@ -2,6 +2,7 @@
 //! receiver checks it before using a byte, and ranks that disagree stop with a clear error.
 
 use crate::collectives::{DType, OpDesc, OpKind};
+use crate::wire::{DecodeError, Reader};
 
 /// Size of an encoded header.
 pub(crate) const HEADER_LEN: usize = 32;
@@ -71,31 +72,33 @@ impl Header {
     }
 
     /// Decodes a header; garbage is an error that quotes what was wrong.
-    pub(crate) fn decode(b: &[u8; HEADER_LEN]) -> Result<Self, String> {
-        let u32_at = |i: usize| u32::from_le_bytes(b[i..i + 4].try_into().expect("4 bytes"));
-        let u64_at = |i: usize| u64::from_le_bytes(b[i..i + 8].try_into().expect("8 bytes"));
-        if u32_at(0) != MAGIC {
-            return Err(format!(
+    pub(crate) fn decode(b: &[u8; HEADER_LEN]) -> Result<Self, DecodeError> {
+        let mut r = Reader::new(b);
+        if r.u32()? != MAGIC {
+            return Err(DecodeError::Invalid(format!(
                 "garbage on the connection (bad frame magic {:02x?})",
                 &b[0..4]
-            ));
+            )));
         }
-        let kind = match b[4] {
+        let unknown = |what, code| DecodeError::UnknownCode { what, code };
+        let kind = match r.u8()? {
             1 => FrameKind::Data,
             2 => FrameKind::Goodbye,
-            k => return Err(format!("unknown frame kind {k}")),
+            k => return Err(unknown("frame kind", k)),
         };
-        let op =
-            OpKind::from_code(b[5]).ok_or_else(|| format!("unknown operation code {}", b[5]))?;
-        let dtype = DType::from_code(b[6]).ok_or_else(|| format!("unknown dtype code {}", b[6]))?;
+        let code = r.u8()?;
+        let op = OpKind::from_code(code).ok_or(unknown("operation", code))?;
+        let code = r.u8()?;
+        let dtype = DType::from_code(code).ok_or(unknown("dtype", code))?;
+        r.u8()?; // padding
         Ok(Header {
             kind,
             op,
             dtype,
-            seq: u64_at(8),
-            total: u64_at(16),
-            unit: u32_at(24),
-            len: u32_at(28),
+            seq: r.u64()?,
+            total: r.u64()?,
+            unit: r.u32()?,
+            len: r.u32()?,
         })
     }
 
@@ -140,7 +143,12 @@ mod tests {
         assert_eq!(Header::decode(&h.encode()).unwrap(), h);
         let mut bad = h.encode();
         bad[0] ^= 0xff;
-        assert!(Header::decode(&bad).unwrap_err().contains("garbage"));
+        assert!(
+            Header::decode(&bad)
+                .unwrap_err()
+                .to_string()
+                .contains("garbage")
+        );
         let mut bad = h.encode();
         bad[5] = 99;
         assert!(Header::decode(&bad).is_err());

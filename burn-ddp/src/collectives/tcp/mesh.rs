@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 use crate::error::{DdpError, Result};
 use crate::secret::{JobSecret, MAX_SECRET_LEN, admits};
 use crate::store::Store;
-use crate::wire::{Reader, Writer, read_frame, write_frame};
+use crate::wire::{DecodeError, FrameError, Reader, Writer, read_frame, write_frame};
 
 mod iface;
 
@@ -34,26 +34,47 @@ fn send_hello(
     write_frame(stream, secret.map_or(&[][..], JobSecret::as_bytes))
 }
 
+/// Why a connection's hello was refused.
+#[derive(Debug, thiserror::Error)]
+enum HelloError {
+    /// The socket failed.
+    #[error("{0}")]
+    Io(#[from] std::io::Error),
+    /// The secret's frame could not be read.
+    #[error("{0}")]
+    Frame(#[from] FrameError),
+    /// The hello does not start with burn-ddp's magic.
+    #[error("not a burn-ddp peer (bad hello)")]
+    NotAPeer,
+    /// The hello's fields do not decode.
+    #[error("{0}")]
+    Decode(#[from] DecodeError),
+    /// The peer does not present the job secret.
+    #[error("it claims to be rank {rank} but does not present the job secret (BURN_DDP_SECRET)")]
+    NoSecret {
+        /// The rank it claims to be.
+        rank: usize,
+    },
+}
+
 /// Reads a peer's hello; refuses it unless it presents `secret`.
 fn read_hello(
     stream: &mut TcpStream,
     secret: Option<&JobSecret>,
-) -> std::result::Result<(usize, usize), String> {
+) -> std::result::Result<(usize, usize), HelloError> {
     let mut buf = [0u8; HELLO_LEN];
-    stream.read_exact(&mut buf).map_err(|e| e.to_string())?;
+    stream.read_exact(&mut buf)?;
     let (rank, world) = parse_hello(&buf)?;
-    let presented = read_frame(stream, MAX_SECRET_LEN).map_err(|e| e.to_string())?;
+    let presented = read_frame(stream, MAX_SECRET_LEN)?;
     if !admits(secret, &presented) {
-        return Err(format!(
-            "it claims to be rank {rank} but does not present the job secret (BURN_DDP_SECRET)"
-        ));
+        return Err(HelloError::NoSecret { rank });
     }
     Ok((rank, world))
 }
 
-fn parse_hello(b: &[u8]) -> std::result::Result<(usize, usize), String> {
+fn parse_hello(b: &[u8]) -> std::result::Result<(usize, usize), HelloError> {
     if &b[..8] != HELLO_MAGIC {
-        return Err("not a burn-ddp peer (bad hello)".into());
+        return Err(HelloError::NotAPeer);
     }
     let mut r = Reader::new(&b[8..]);
     Ok((r.u32()? as usize, r.u32()? as usize))
@@ -183,7 +204,7 @@ pub(crate) fn connect(
         let greeting = stream
             .set_nonblocking(false)
             .and_then(|_| stream.set_read_timeout(Some(left.min(Duration::from_secs(10)))))
-            .map_err(|e| e.to_string())
+            .map_err(HelloError::Io)
             .and_then(|_| read_hello(&mut stream, secret));
         let peer = match greeting {
             Err(e) => {

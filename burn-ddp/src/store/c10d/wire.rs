@@ -75,28 +75,30 @@ pub(crate) enum Query<'a> {
     CancelWait,
 }
 
+/// A query the c10d server would answer by dropping the connection.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub(crate) enum LimitError {
+    /// A key is too long (its length).
+    #[error("key of {0} bytes exceeds the c10d store's limit of {MAX_KEY_LEN}")]
+    Key(usize),
+    /// A value is too long (its length).
+    #[error("value of {0} bytes exceeds the c10d store's limit of {MAX_VALUE_LEN}")]
+    Value(usize),
+    /// Too many keys in one query (their number).
+    #[error("{0} keys exceed the c10d store's limit of {MAX_KEY_COUNT}")]
+    KeyCount(usize),
+}
+
 impl Query<'_> {
     /// Checks the limits the server enforces by dropping the connection.
-    pub(crate) fn check_limits(&self) -> Result<(), String> {
-        let key = |k: &str| {
-            if k.len() > MAX_KEY_LEN {
-                Err(format!(
-                    "key of {} bytes exceeds the c10d store's limit of {MAX_KEY_LEN}",
-                    k.len()
-                ))
-            } else {
-                Ok(())
-            }
+    pub(crate) fn check_limits(&self) -> Result<(), LimitError> {
+        let key = |k: &str| match k.len() {
+            n if n > MAX_KEY_LEN => Err(LimitError::Key(n)),
+            _ => Ok(()),
         };
-        let value = |v: &[u8]| {
-            if v.len() > MAX_VALUE_LEN {
-                Err(format!(
-                    "value of {} bytes exceeds the c10d store's limit of {MAX_VALUE_LEN}",
-                    v.len()
-                ))
-            } else {
-                Ok(())
-            }
+        let value = |v: &[u8]| match v.len() {
+            n if n > MAX_VALUE_LEN => Err(LimitError::Value(n)),
+            _ => Ok(()),
         };
         match self {
             Query::Validate | Query::NumKeys | Query::CancelWait => Ok(()),
@@ -109,10 +111,7 @@ impl Query<'_> {
             Query::Get { key: k } | Query::Add { key: k, .. } => key(k),
             Query::Check { keys } | Query::Wait { keys } => {
                 if keys.len() > MAX_KEY_COUNT {
-                    return Err(format!(
-                        "{} keys exceed the c10d store's limit of {MAX_KEY_COUNT}",
-                        keys.len()
-                    ));
+                    return Err(LimitError::KeyCount(keys.len()));
                 }
                 keys.iter().try_for_each(|k| key(k))
             }
@@ -293,7 +292,12 @@ mod tests {
             key: "k",
             value: &big,
         };
-        assert!(set.check_limits().unwrap_err().contains("limit"));
+        assert!(
+            set.check_limits()
+                .unwrap_err()
+                .to_string()
+                .contains("limit")
+        );
         assert!(
             Query::Wait {
                 keys: &["a", &long]

@@ -83,9 +83,9 @@ impl DdpStrategy {
         };
         snapshot
             .restore(learner)
-            .map_err(|reason| DdpError::Checkpoint {
+            .map_err(|e| DdpError::Checkpoint {
                 rank: self.group.rank(),
-                reason,
+                reason: e.to_string(),
             })?;
         let p = snapshot.position;
         if self.is_main() {
