@@ -175,20 +175,13 @@ fn failing_ranks_write_the_error_file_torchrun_reads() {
     // Both ranks at once, each bounded (see crate::bins::run_bounded).
     let ranks: Vec<_> = (0..2)
         .map(|rank| {
-            let mut cmd = Command::new(std::env::current_exe().unwrap());
-            cmd.args([
-                "--exact",
-                ENTRY,
-                "--ignored",
-                "--nocapture",
-                "--test-threads=1",
-            ])
-            .env("RANK", rank.to_string())
-            .env("WORLD_SIZE", "2")
-            .env("MASTER_ADDR", "127.0.0.1")
-            .env("MASTER_PORT", port.to_string())
-            .env("BURN_DDP_RENDEZVOUS_TIMEOUT", "60")
-            .env(ERROR_FILE_VAR, dir.join(format!("{rank}.json")));
+            let mut cmd = crate::processes::rank_entry_command(ENTRY);
+            cmd.env("RANK", rank.to_string())
+                .env("WORLD_SIZE", "2")
+                .env("MASTER_ADDR", "127.0.0.1")
+                .env("MASTER_PORT", port.to_string())
+                .env("BURN_DDP_RENDEZVOUS_TIMEOUT", "60")
+                .env(ERROR_FILE_VAR, dir.join(format!("{rank}.json")));
             std::thread::spawn(move || {
                 crate::bins::run_bounded(cmd, Duration::from_secs(120))
                     .status

@@ -129,25 +129,31 @@ fn rank_process() {
     }
 }
 
-/// The command that runs this binary as rank `rank` of `world` in `scenario`.
-fn rank_command(scenario: &str, rank: usize, world: usize, port: u16) -> Command {
+/// This test binary, run as a rank process: only the (ignored) test `entry`.
+pub(crate) fn rank_entry_command(entry: &str) -> Command {
     let mut cmd = Command::new(std::env::current_exe().unwrap());
     cmd.args([
         "--exact",
-        ENTRY,
+        entry,
         "--ignored",
         "--nocapture",
         "--test-threads=1",
-    ])
-    .env("BDDP_TEST_SCENARIO", scenario)
-    .env("RANK", rank.to_string())
-    .env("WORLD_SIZE", world.to_string())
-    .env("MASTER_ADDR", "127.0.0.1")
-    .env("MASTER_PORT", port.to_string())
-    .env("BURN_DDP_RENDEZVOUS_TIMEOUT", "60")
-    .stdin(Stdio::null())
-    .stdout(Stdio::piped())
-    .stderr(Stdio::piped());
+    ]);
+    cmd
+}
+
+/// The command that runs this binary as rank `rank` of `world` in `scenario`.
+fn rank_command(scenario: &str, rank: usize, world: usize, port: u16) -> Command {
+    let mut cmd = rank_entry_command(ENTRY);
+    cmd.env("BDDP_TEST_SCENARIO", scenario)
+        .env("RANK", rank.to_string())
+        .env("WORLD_SIZE", world.to_string())
+        .env("MASTER_ADDR", "127.0.0.1")
+        .env("MASTER_PORT", port.to_string())
+        .env("BURN_DDP_RENDEZVOUS_TIMEOUT", "60")
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
     cmd
 }
 
