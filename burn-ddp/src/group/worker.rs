@@ -118,6 +118,7 @@ impl Worker {
     /// Stops the group for a failure of this rank's own part of `op` (reading a tensor back
     /// from its device, NCCL): recorded with this rank as the culprit unless a failure was
     /// recorded first, so the peers fail with it instead of waiting. Returns the group's error.
+    #[cfg(feature = "train")]
     pub(crate) fn fail_here(&mut self, op: String, cause: String) -> DdpError {
         let cause = self.abort(FailureRecord {
             culprit: Some(self.rank),
