@@ -101,18 +101,7 @@ impl Worker {
                 if culprit == 0 { "" } else { " as well" }
             )
         });
-        // Reported while the failed operation is still published as this rank's collective.
-        let ranks = self.status.report();
-        self.transport.clear_status();
-        log::error!("rank {}: {op} failed: {cause}; ranks: {ranks}", self.rank);
-        let error = DdpError::Collective {
-            rank: self.rank,
-            op: op.to_string(),
-            cause,
-            ranks,
-        };
-        crate::elastic::record_error(&error);
-        error
+        self.collective_error(op.to_string(), cause)
     }
 
     /// Stops the group for a failure of this rank's own part of `op` (reading a tensor back
@@ -124,7 +113,15 @@ impl Worker {
             culprit: Some(self.rank),
             cause,
         });
+        self.collective_error(op, cause)
+    }
+
+    /// The group's error for `op` failing with the agreed `cause`, with where every rank was;
+    /// logged and written to torchrun's error file.
+    fn collective_error(&mut self, op: String, cause: String) -> DdpError {
+        // Reported while the failed operation is still published as this rank's collective.
         let ranks = self.status.report();
+        self.transport.clear_status();
         log::error!("rank {}: {op} failed: {cause}; ranks: {ranks}", self.rank);
         let error = DdpError::Collective {
             rank: self.rank,

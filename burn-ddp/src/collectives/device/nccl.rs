@@ -66,12 +66,7 @@ pub(super) fn all_reduce(
         ReduceOp::Max => burn_ddp_nccl::ReduceOp::Max,
         ReduceOp::Min => burn_ddp_nccl::ReduceOp::Min,
     };
-    finish(
-        group,
-        "all_reduce",
-        comm.start_all_reduce(tensor, op),
-        |t| t,
-    )
+    finish(group, "all_reduce", comm.start_all_reduce(tensor, op))
 }
 
 /// Starts a broadcast from `root` in place.
@@ -81,12 +76,7 @@ pub(super) fn broadcast(
     tensor: Tensor<1>,
     root: usize,
 ) -> Work<Tensor<1>> {
-    finish(
-        group,
-        "broadcast",
-        comm.start_broadcast(tensor, root),
-        |t| t,
-    )
+    finish(group, "broadcast", comm.start_broadcast(tensor, root))
 }
 
 /// Starts an all-gather; every rank's length is checked first (through the TCP transport, in
@@ -119,13 +109,12 @@ pub(super) fn all_gather(
 }
 
 /// Queues the NCCL half of a started collective on the collective thread.
-fn finish<T: Send + 'static>(
+fn finish(
     group: &ProcessGroup,
     op: &'static str,
     started: std::result::Result<Pending, NcclError>,
-    then: impl FnOnce(Tensor<1>) -> T + Send + 'static,
-) -> Work<T> {
-    group.on_worker(move |w| wait(w, op, started).map(then))
+) -> Work<Tensor<1>> {
+    group.on_worker(move |w| wait(w, op, started))
 }
 
 /// Waits for a started collective; a failure (NCCL's error, or its timeout, after which the
