@@ -1,5 +1,11 @@
-//! Global metrics: every rank's step output is gathered to rank 0 and concatenated, so the
-//! metrics rank 0 reports (loss, accuracy, validation) cover the global batch.
+//! Global metrics: every rank's step output is gathered to rank 0 and combined into the output
+//! one process would have produced for the global batch, so the metrics rank 0 reports (loss,
+//! accuracy, validation) cover every rank's samples, each counted once.
+//!
+//! Outputs and targets are concatenated. A loss that is a batch mean (shape `[1]`) is weighted
+//! by each rank's batch size, so ranks with different batch sizes (the last batch of an
+//! unpadded validation split) give the global mean. A rank without a batch in a step (its
+//! shard ran out first) sends nothing.
 
 use burn::tensor::{Device, Int, Tensor, TensorData};
 use burn::train::{ClassificationOutput, RegressionOutput};
@@ -16,7 +22,8 @@ use crate::wire::{DecodeError, Reader, Writer};
 pub trait GlobalItem: Sized {
     /// This rank's output as bytes.
     fn encode(self) -> Result<Vec<u8>>;
-    /// Every rank's output (in rank order) combined into one, on `device`.
+    /// The outputs of the ranks that had a batch in this step (in rank order, at least one)
+    /// combined into one, on `device`.
     fn decode_all(parts: &[Vec<u8>], device: &Device) -> Result<Self>;
 }
 
@@ -25,6 +32,8 @@ trait Field: Sized {
     fn put(self, w: &mut Writer);
     fn get(r: &mut Reader<'_>, device: &Device) -> std::result::Result<Self, DecodeError>;
     fn cat(parts: Vec<Self>) -> Self;
+    /// Length of dimension 0 (the batch).
+    fn rows(&self) -> usize;
 }
 
 impl<const D: usize> Field for Tensor<D> {
@@ -37,6 +46,9 @@ impl<const D: usize> Field for Tensor<D> {
     fn cat(parts: Vec<Self>) -> Self {
         Tensor::cat(parts, 0)
     }
+    fn rows(&self) -> usize {
+        self.dims()[0]
+    }
 }
 
 impl<const D: usize> Field for Tensor<D, Int> {
@@ -48,6 +60,9 @@ impl<const D: usize> Field for Tensor<D, Int> {
     }
     fn cat(parts: Vec<Self>) -> Self {
         Tensor::cat(parts, 0)
+    }
+    fn rows(&self) -> usize {
+        self.dims()[0]
     }
 }
 
@@ -81,7 +96,7 @@ fn get<E: burn::tensor::Element + bytemuck::Pod>(
 }
 
 /// Encodes the three fields of a burn-train output (loss, output, targets).
-fn encode3<A: Field, B: Field, C: Field>(a: A, b: B, c: C) -> Vec<u8> {
+fn encode3<B: Field, C: Field>(a: Tensor<1>, b: B, c: C) -> Vec<u8> {
     let mut w = Writer::default();
     a.put(&mut w);
     b.put(&mut w);
@@ -89,25 +104,41 @@ fn encode3<A: Field, B: Field, C: Field>(a: A, b: B, c: C) -> Vec<u8> {
     w.buf
 }
 
-/// Decodes every rank's three fields and concatenates each across ranks.
-fn decode3<A: Field, B: Field, C: Field>(parts: &[Vec<u8>], device: &Device) -> Result<(A, B, C)> {
+/// Decodes the parts' three fields (a loss, outputs, targets) and combines each across them.
+fn decode3<B: Field, C: Field>(parts: &[Vec<u8>], device: &Device) -> Result<(Tensor<1>, B, C)> {
     let (mut xs, mut ys, mut zs) = (Vec::new(), Vec::new(), Vec::new());
-    for (rank, bytes) in parts.iter().enumerate() {
+    for (i, bytes) in parts.iter().enumerate() {
         let mut r = Reader::new(bytes);
         let fields = (|| {
             let fields = (
-                A::get(&mut r, device)?,
+                Tensor::<1>::get(&mut r, device)?,
                 B::get(&mut r, device)?,
                 C::get(&mut r, device)?,
             );
             r.finish().map(|()| fields)
         })()
-        .map_err(|e| DdpError::Tensor(format!("metrics item from rank {rank}: {e}")))?;
+        .map_err(|e| DdpError::Tensor(format!("metrics item {i} of a step: {e}")))?;
         xs.push(fields.0);
         ys.push(fields.1);
         zs.push(fields.2);
     }
-    Ok((A::cat(xs), B::cat(ys), C::cat(zs)))
+    let rows: Vec<usize> = ys.iter().map(Field::rows).collect();
+    Ok((combine_losses(xs, &rows), B::cat(ys), C::cat(zs)))
+}
+
+/// The loss of the union of the parts' batches: batch means (`[1]` each) weighted by the
+/// batches' sizes, per-sample losses concatenated.
+fn combine_losses(losses: Vec<Tensor<1>>, rows: &[usize]) -> Tensor<1> {
+    if losses.len() == 1 || losses.iter().any(|l| l.dims() != [1]) {
+        return Tensor::cat(losses, 0);
+    }
+    let total: usize = rows.iter().sum();
+    let weighted: Vec<Tensor<1>> = losses
+        .into_iter()
+        .zip(rows)
+        .map(|(l, &n)| l.mul_scalar(n as f64 / total.max(1) as f64))
+        .collect();
+    Tensor::cat(weighted, 0).sum()
 }
 
 impl GlobalItem for ClassificationOutput {
@@ -142,28 +173,35 @@ impl GlobalItem for RegressionOutput {
 
 /// An output on its way to rank 0: gathered in the background while the next step computes.
 pub(crate) enum PendingItem<T> {
-    /// A world of one: the output itself.
-    Local(T),
-    /// The all-gather of every rank's encoded output.
+    /// A world of one: the output itself (if the step had a batch).
+    Local(Option<T>),
+    /// The all-gather of every rank's encoded output (empty for a rank without a batch).
     Gathering(Work<Vec<Vec<u8>>>),
 }
 
 impl<T: GlobalItem> PendingItem<T> {
-    /// Starts combining `item` across the ranks of `group`.
-    pub(crate) fn start(item: T, group: &ProcessGroup) -> Result<Self> {
+    /// Starts combining `item` (`None`: this rank had no batch in this step) across the ranks
+    /// of `group`.
+    pub(crate) fn start(item: Option<T>, group: &ProcessGroup) -> Result<Self> {
         if group.world_size() == 1 {
             return Ok(PendingItem::Local(item));
         }
-        Ok(PendingItem::Gathering(group.all_gather(item.encode()?)))
+        let bytes = match item {
+            Some(item) => item.encode()?,
+            None => Vec::new(),
+        };
+        Ok(PendingItem::Gathering(group.all_gather(bytes)))
     }
 
-    /// Waits for the gather; rank 0 gets the combined output, the others `None`.
+    /// Waits for the gather; rank 0 gets the combined output (`None` if no rank had a batch),
+    /// the others `None`.
     pub(crate) fn finish(self, rank: usize, device: &Device) -> Result<Option<T>> {
         match self {
-            PendingItem::Local(item) => Ok(Some(item)),
+            PendingItem::Local(item) => Ok(item),
             PendingItem::Gathering(work) => {
                 let parts = work.wait()?;
-                if rank == 0 {
+                let parts: Vec<Vec<u8>> = parts.into_iter().filter(|p| !p.is_empty()).collect();
+                if rank == 0 && !parts.is_empty() {
                     T::decode_all(&parts, device).map(Some)
                 } else {
                     Ok(None)

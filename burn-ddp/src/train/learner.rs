@@ -17,6 +17,7 @@ use burn::train::{
 };
 
 use super::bucket::BucketConfig;
+use super::buffers::{BufferSync, Buffers};
 use super::checkpoint::CheckpointConfig;
 use super::gather::GlobalItem;
 use super::params::{broadcast_module, check_agreement, layout};
@@ -43,6 +44,8 @@ pub struct DdpLearner<M: LearnerModel> {
     checkpoints: Option<CheckpointConfig>,
     desync_check: bool,
     progress: ProgressOutput,
+    buffer_sync: BufferSync,
+    uneven: bool,
 }
 
 impl<M: LearnerModel> DdpLearner<M> {
@@ -75,6 +78,8 @@ impl<M: LearnerModel> DdpLearner<M> {
             checkpoints: None,
             desync_check: true,
             progress: ProgressOutput::default(),
+            buffer_sync: BufferSync::default(),
+            uneven: false,
         }
     }
 
@@ -119,6 +124,25 @@ impl<M: LearnerModel> DdpLearner<M> {
         self
     }
 
+    /// How buffers (BatchNorm's running statistics, every float tensor without gradient) are
+    /// kept identical across ranks: default [`BufferSync::Broadcast`], rank 0's at every step.
+    pub fn buffer_sync(mut self, mode: BufferSync) -> Self {
+        self.buffer_sync = mode;
+        self
+    }
+
+    /// Whether ranks may have different numbers of training batches (default false: every rank
+    /// must have as many, as [`DistributedSampler`] gives them). With `true` (PyTorch's `Join`),
+    /// a rank whose batches ran out keeps taking part in the others' steps with zero gradients
+    /// until every rank is done, and applies the same optimizer steps, so the replicas stay
+    /// identical; the epoch ends together. Gradients are averaged over the world size, as
+    /// PyTorch does: in a step where only `k` of `n` ranks have a batch, the update is the sum
+    /// of their gradients divided by `n`. Costs a tiny all-reduce per step.
+    pub fn uneven_inputs(mut self, uneven: bool) -> Self {
+        self.uneven = uneven;
+        self
+    }
+
     /// Bucket sizes (default 25 MiB, first bucket 1 MiB).
     pub fn buckets(mut self, config: BucketConfig) -> Self {
         self.buckets = config;
@@ -140,11 +164,16 @@ impl<M: LearnerModel> DdpLearner<M> {
         self.group.status().enter(Phase::Starting, None);
         let mut settings = self.settings;
         settings.push(("desync_check".into(), self.desync_check.to_string()));
+        settings.push(("buffer_sync".into(), self.buffer_sync.to_string()));
+        settings.push(("uneven_inputs".into(), self.uneven.to_string()));
         check_agreement(&self.group, &layout(&model), &settings)?;
         let model = broadcast_module(model, &self.group)?;
         let reducer = GradientReducer::new(&model, self.group.clone(), self.buckets)?
             .desync_check(self.desync_check);
+        let buffers = Buffers::new(self.buffer_sync, self.group.clone(), &model);
         let strategy = DdpStrategy {
+            buffers,
+            uneven: self.uneven,
             signals: StopSignals::arm(self.group.rank(), self.group.options().timeout)?,
             group: self.group,
             device,

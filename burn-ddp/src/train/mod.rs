@@ -1,7 +1,9 @@
 //! Data-parallel training with burn-train (feature `train`): bucketing, gradient reduction, the
-//! start-up agreement, `DistributedSampler`, checkpoints, and the `DdpLearner` strategy.
+//! start-up agreement, buffer synchronisation, `DistributedSampler`, checkpoints, and the
+//! `DdpLearner` strategy.
 
 mod bucket;
+mod buffers;
 mod checkpoint;
 mod fingerprint;
 mod gather;
@@ -15,6 +17,7 @@ mod stop;
 mod strategy;
 
 pub use bucket::{Bucket, BucketConfig, BucketPlan};
+pub use buffers::BufferSync;
 pub use checkpoint::{CHECKPOINT_FILE, CheckpointConfig, Position, inspect_checkpoint};
 pub use gather::GlobalItem;
 pub use learner::{DdpLearner, DdpTraining};

@@ -117,38 +117,96 @@ pub fn check_agreement(
 }
 
 struct Collect {
+    select: Select,
     data: Vec<f32>,
 }
 
 impl ModuleVisitor for Collect {
     fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+        if !self.select.takes(param) {
+            return;
+        }
         let data = param.val().into_data().convert::<f32>();
         self.data
             .extend_from_slice(data.as_slice::<f32>().expect("converted to f32"));
     }
 }
 
-/// Every float tensor of a module, flattened in visit order, on the device it lives on.
-struct Flatten {
+/// Which float tensors of a module a [`Flatten`] or [`Assign`] takes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Select {
+    /// Parameters and buffers.
+    All,
+    /// Trainable parameters only.
+    Parameters,
+    /// Buffers only: float tensors that receive no gradient (running statistics and the like).
+    Buffers,
+}
+
+impl Select {
+    fn takes<const D: usize>(self, param: &Param<Tensor<D>>) -> bool {
+        match self {
+            Select::All => true,
+            Select::Parameters => param.val().is_require_grad(),
+            Select::Buffers => !param.val().is_require_grad(),
+        }
+    }
+}
+
+/// The selected float tensors of a module, flattened in visit order, as `f32` on the device
+/// they live on.
+pub(crate) struct Flatten {
+    select: Select,
     parts: Vec<Tensor<1>>,
+}
+
+impl Flatten {
+    /// The selected tensors of `module` as one flat tensor (`None` if there are none).
+    pub(crate) fn module<M: Module>(module: &M, select: Select) -> Option<Tensor<1>> {
+        let mut flatten = Flatten {
+            select,
+            parts: Vec::new(),
+        };
+        module.visit(&mut flatten);
+        (!flatten.parts.is_empty()).then(|| Tensor::cat(flatten.parts, 0))
+    }
 }
 
 impl ModuleVisitor for Flatten {
     fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+        if !self.select.takes(param) {
+            return;
+        }
         let t = param.val().inner();
         let n = t.shape().num_elements();
         self.parts.push(t.reshape([n]).cast(DType::F32));
     }
 }
 
-/// Replaces every float tensor with its slice of `flat`, in its own shape and element type.
-struct Assign {
+/// Replaces the selected float tensors with their slices of `flat` (as [`Flatten`] laid them
+/// out), each in its own shape and element type.
+pub(crate) struct Assign {
+    select: Select,
     flat: Tensor<1>,
     offset: usize,
 }
 
+impl Assign {
+    /// `module` with its selected tensors taken from `flat`.
+    pub(crate) fn module<M: Module>(module: M, select: Select, flat: Tensor<1>) -> M {
+        module.map(&mut Assign {
+            select,
+            flat,
+            offset: 0,
+        })
+    }
+}
+
 impl ModuleMapper for Assign {
     fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
+        if !self.select.takes(&param) {
+            return param;
+        }
         param.map(|t| {
             let (dims, dtype, device) = (t.dims(), t.dtype(), t.device());
             let grad = t.is_require_grad();
@@ -170,7 +228,15 @@ impl ModuleMapper for Assign {
 /// Every float tensor of `module` (parameters and buffers) as `f32`, flattened in visit order:
 /// for comparing replicas and checking results.
 pub fn flat_parameters<M: Module>(module: &M) -> Vec<f32> {
-    let mut collect = Collect { data: Vec::new() };
+    flat_values(module, Select::All)
+}
+
+/// The selected float tensors of `module` as `f32` on the host, flattened in visit order.
+pub(crate) fn flat_values<M: Module>(module: &M, select: Select) -> Vec<f32> {
+    let mut collect = Collect {
+        select,
+        data: Vec::new(),
+    };
     module.visit(&mut collect);
     collect.data
 }
@@ -184,11 +250,9 @@ pub fn broadcast_module<M: Module>(module: M, group: &ProcessGroup) -> Result<M>
     if group.world_size() == 1 {
         return Ok(module);
     }
-    let mut flatten = Flatten { parts: Vec::new() };
-    module.visit(&mut flatten);
-    if flatten.parts.is_empty() {
+    let Some(flat) = Flatten::module(&module, Select::All) else {
         return Ok(module);
-    }
-    let flat = group.broadcast(Tensor::cat(flatten.parts, 0), 0).wait()?;
-    Ok(module.map(&mut Assign { flat, offset: 0 }))
+    };
+    let flat = group.broadcast(flat, 0).wait()?;
+    Ok(Assign::module(module, Select::All, flat))
 }

@@ -6,6 +6,10 @@
 //! uneven datasets cannot leave one rank waiting in a collective, and the union of the ranks'
 //! i-th batches is the single-process i-th batch of the global batch size.
 //!
+//! For evaluation, [`DistributedSampler::pad`]`(false)` neither pads nor cuts: every sample is
+//! seen exactly once, and the ranks' counts differ by at most one (`DdpLearner` validates such
+//! uneven shards without waiting on each other, and its metrics count each sample once).
+//!
 //! Resuming mid-epoch ([`DistributedSampler::resume`]): the first `samples` positions of the
 //! epoch's order are skipped and the rest is padded and sharded as above, so with the same world
 //! size each rank continues exactly where it stopped, and with another world size the job sees
@@ -29,6 +33,7 @@ pub struct DistributedSampler {
     seed: u64,
     shuffle: bool,
     drop_last: bool,
+    pad: bool,
     epoch: Arc<AtomicUsize>,
     /// Positions of the current epoch's order already consumed (by the whole job).
     skip: Arc<AtomicUsize>,
@@ -55,6 +60,7 @@ impl DistributedSampler {
             seed: 0,
             shuffle: true,
             drop_last: false,
+            pad: true,
             epoch: Arc::new(AtomicUsize::new(0)),
             skip: Arc::new(AtomicUsize::new(0)),
         }
@@ -83,6 +89,15 @@ impl DistributedSampler {
         self
     }
 
+    /// Whether the list is padded to a multiple of the world size (default true, as PyTorch).
+    /// Without padding (and without `drop_last`) every sample is seen exactly once and the
+    /// ranks' shares differ by at most one sample: use it for validation, so that metrics
+    /// count every sample once whatever the world size.
+    pub fn pad(mut self, pad: bool) -> Self {
+        self.pad = pad;
+        self
+    }
+
     /// Selects the epoch (the learner calls it at the start of each epoch).
     pub fn set_epoch(&self, epoch: usize) {
         self.resume(epoch, 0);
@@ -100,12 +115,14 @@ impl DistributedSampler {
         self.epoch.load(Ordering::Acquire)
     }
 
-    /// Samples per rank for a dataset of `len` items.
+    /// Samples of this rank for a dataset of `len` items.
     pub fn num_samples(&self, len: usize) -> usize {
         if self.drop_last {
             len / self.world_size
-        } else {
+        } else if self.pad {
             len.div_ceil(self.world_size)
+        } else {
+            len.saturating_sub(self.rank).div_ceil(self.world_size)
         }
     }
 
@@ -132,7 +149,11 @@ impl DistributedSampler {
             }
         }
         let mut rest = order[skip.min(len)..].to_vec();
-        let total = self.num_samples(rest.len()) * self.world_size;
+        let total = if self.pad || self.drop_last {
+            self.num_samples(rest.len()) * self.world_size
+        } else {
+            rest.len()
+        };
         if total <= rest.len() {
             rest.truncate(total);
         } else {
@@ -222,6 +243,31 @@ mod tests {
                 all.sort();
                 all.dedup();
                 assert_eq!(all, (0..len).collect::<Vec<_>>(), "covers every item");
+            }
+        }
+    }
+
+    #[test]
+    fn without_padding_every_sample_once() {
+        for world in 1..=4 {
+            for len in [0, 1, 5, 10, 1025] {
+                let shards: Vec<Vec<usize>> = (0..world)
+                    .map(|r| DistributedSampler::new(r, world).pad(false).indices(len))
+                    .collect();
+                let mut all = shards.concat();
+                assert_eq!(all.len(), len, "no sample added or lost");
+                all.sort();
+                assert_eq!(all, (0..len).collect::<Vec<_>>());
+                for (r, s) in shards.iter().enumerate() {
+                    let n = DistributedSampler::new(r, world)
+                        .pad(false)
+                        .num_samples(len);
+                    assert_eq!(s.len(), n);
+                    assert!(
+                        s.len() + 1 >= len.div_ceil(world),
+                        "counts differ by one at most"
+                    );
+                }
             }
         }
     }

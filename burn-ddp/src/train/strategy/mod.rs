@@ -18,8 +18,9 @@ use burn::train::{
 mod split;
 mod state;
 
-use split::SplitEnd;
+use split::{Batch, SplitEnd};
 
+use super::buffers::Buffers;
 use super::checkpoint::{CheckpointConfig, Position};
 use super::gather::GlobalItem;
 use super::reducer::GradientReducer;
@@ -40,6 +41,9 @@ pub(crate) struct DdpStrategy {
     pub checkpoints: Option<CheckpointConfig>,
     pub failure: Arc<Mutex<Option<DdpError>>>,
     pub signals: StopSignals,
+    pub buffers: Buffers,
+    /// Whether ranks may hold different numbers of training batches (join).
+    pub uneven: bool,
 }
 
 impl DdpStrategy {
@@ -67,6 +71,7 @@ impl DdpStrategy {
         learner: &mut Learner<M>,
         loader: &TrainLoader<M>,
         from: Position,
+        total: usize,
         accumulation: Option<usize>,
         processor: &mut SupervisedTrainingEventProcessor<M>,
         events: &EventStoreClient,
@@ -78,27 +83,48 @@ impl DdpStrategy {
     {
         let mut accumulator = GradientsAccumulator::new();
         let mut micro = 0;
-        let world = self.group.world_size();
         let every = self.checkpoints.as_ref().and_then(|c| c.every_steps);
-        let step = |item, progress: &Progress, iteration: usize| {
-            let out = learner.train_step(item);
+        let uneven = self.uneven;
+        let step = |batch: Batch<_>, progress: &Progress, iteration: usize| {
+            let end = matches!(batch, Batch::End);
+            let (item, grads) = match batch {
+                Batch::Item(item) => {
+                    let out = learner.train_step(item);
+                    (Some(out.item), Some(out.grads))
+                }
+                // A rank without a batch reduces zeros, and steps with the others.
+                Batch::Idle | Batch::End => (None, None),
+            };
             let grads = match accumulation {
                 Some(k) => {
-                    accumulator.accumulate(&learner.model(), out.grads);
-                    micro += 1;
-                    // Every rank has as many batches, so all agree on when to synchronise.
-                    (micro >= k || progress.is_completed()).then(|| {
+                    if let Some(grads) = grads {
+                        accumulator.accumulate(&learner.model(), grads);
+                    }
+                    micro += usize::from(!end);
+                    // Every rank counts the same steps, so all agree on when to synchronise:
+                    // with even inputs each one's last batch is the split's; with uneven
+                    // inputs the End step flushes what is left.
+                    let last = if uneven {
+                        end && micro > 0
+                    } else {
+                        progress.is_completed()
+                    };
+                    (micro >= k || last).then(|| {
                         micro = 0;
                         accumulator.grads()
                     })
                 }
-                None => Some(out.grads),
+                None if end => None,
+                None => Some(grads.unwrap_or_default()),
             };
             let boundary = grads.is_some();
             if let Some(grads) = grads {
-                let grads =
-                    self.reducer
-                        .reduce_at(&learner.model(), grads, from.epoch, iteration)?;
+                let model = learner.model();
+                let buffers = self.buffers.start_step(&model);
+                let grads = self
+                    .reducer
+                    .reduce_at(&model, grads, from.epoch, iteration)?;
+                self.buffers.finish_step(buffers, &model)?;
                 learner.lr_step();
                 learner.optimizer_step(grads);
                 // Optimizer steps of the epoch so far; the epoch's end has its own checkpoint.
@@ -107,30 +133,34 @@ impl DdpStrategy {
                     let at = Position {
                         epoch: from.epoch,
                         batches: iteration,
-                        samples: from.samples + progress.items_processed * world,
-                        world_size: world,
+                        samples: from.samples + progress.items_processed,
+                        world_size: self.group.world_size(),
                     };
                     self.checkpoint(learner, at, events)?;
                     self.group.status().step(iteration);
                 }
             }
-            Ok((out.item, Some(learner.lr_current()), boundary))
+            Ok((item, Some(learner.lr_current()), boundary))
         };
         let process = |event| processor.process_train(event);
         self.run_split(
             loader,
             &self.device,
             from.batches,
+            (uneven, total),
             step,
             process,
             interrupter,
         )
     }
 
+    /// Validation: every rank evaluates its shard (of any size: ranks that run out first wait
+    /// in the others' steps), and rank 0's metrics count each sample once.
     fn valid_epoch<M>(
         &self,
         learner: &Learner<M>,
         loader: &ValidLoader<M>,
+        total: usize,
         processor: &mut SupervisedTrainingEventProcessor<M>,
         interrupter: &Interrupter,
     ) -> Result<SplitEnd>
@@ -139,12 +169,19 @@ impl DdpStrategy {
         <M as InferenceStep>::Output: GlobalItem,
     {
         let model = learner.model().valid();
-        let step = |item, _: &Progress, _| Ok((InferenceStep::step(&model, item), None, true));
+        let step = |batch, _: &Progress, _| {
+            let output = match batch {
+                Batch::Item(item) => Some(InferenceStep::step(&model, item)),
+                Batch::Idle | Batch::End => None,
+            };
+            Ok((output, None, true))
+        };
         let process = |event| processor.process_valid(event);
         self.run_split(
             loader,
             &self.device.clone().inner(),
             0,
+            (true, total),
             step,
             process,
             interrupter,
@@ -169,7 +206,6 @@ impl DdpStrategy {
         let world = self.group.world_size();
         let train = train.to_device(&self.device);
         let valid = valid.to_device(&self.device.clone().inner());
-        let (train_items, valid_items) = (train.num_items() * world, valid.num_items() * world);
         learner.fork(&self.device);
         let status = self.group.status();
         for epoch in start.epoch..=loop_.num_epochs {
@@ -185,6 +221,7 @@ impl DdpStrategy {
                 s.resume(epoch, from.samples);
             }
             status.enter(Phase::Training, Some(epoch));
+            let train_items = self.split_items(&train)?;
             if self.is_main() {
                 interrupter.fail_on_error(processor.process_train(LearnerEvent::StartSplit {
                     epoch_number: epoch,
@@ -195,6 +232,7 @@ impl DdpStrategy {
                 learner,
                 &train,
                 from,
+                train_items,
                 loop_.grad_accumulation,
                 processor,
                 &loop_.event_store,
@@ -213,7 +251,7 @@ impl DdpStrategy {
                         Some(progress) => Position {
                             epoch,
                             batches: end.iteration,
-                            samples: from.samples + progress.items_processed * world,
+                            samples: from.samples + progress.items_processed,
                             world_size: world,
                         },
                         None => Position {
@@ -225,14 +263,22 @@ impl DdpStrategy {
                     return Err(self.stopped(learner, at, signal, &loop_.event_store));
                 }
             }
+            // Buffers agree (averaged, if so configured) before validation, and the replicas
+            // are checked once per epoch.
+            let model = learner.model();
+            self.buffers.settle(&model)?;
+            self.buffers
+                .check_replicas(&model, &format!("in training epoch {epoch}"))?;
             status.enter(Phase::Validation, Some(epoch));
+            let valid_items = self.split_items(&valid)?;
             if self.is_main() {
                 interrupter.fail_on_error(processor.process_valid(LearnerEvent::StartSplit {
                     epoch_number: epoch,
                     total_items: valid_items,
                 }));
             }
-            let valid_end = self.valid_epoch(learner, &valid, processor, &interrupter)?;
+            let valid_end =
+                self.valid_epoch(learner, &valid, valid_items, processor, &interrupter)?;
             status.enter(Phase::Checkpointing, Some(epoch));
             let mut stop = false;
             if self.is_main() {

@@ -10,6 +10,7 @@ use burn::tensor::Device;
 use burn::train::{EventProcessorError, Interrupter, LearnerEvent, TrainingItem};
 
 use super::DdpStrategy;
+use crate::collectives::ReduceOp;
 use crate::error::{DdpError, Result};
 use crate::train::gather::{GlobalItem, PendingItem};
 use crate::train::stop::{StepVote, Stop, Voters};
@@ -28,13 +29,25 @@ pub(super) struct SplitEnd {
     pub stop: Stop,
     /// The last iteration done.
     pub iteration: usize,
-    /// This rank's progress after it.
+    /// The job's progress after it.
     pub progress: Option<Progress>,
 }
 
-/// What one step produced: its output, the learning rate used, and whether the ranks may stop
-/// after it (false inside a gradient accumulation).
-pub(super) type StepOutput<T> = (T, Option<ModuleLearningRate>, bool);
+/// What one step produced: its output (`None` without a batch), the learning rate used, and
+/// whether the ranks may stop after it (false inside a gradient accumulation).
+pub(super) type StepOutput<T> = (Option<T>, Option<ModuleLearningRate>, bool);
+
+/// What a step of a split works on.
+pub(super) enum Batch<I> {
+    /// This rank's next batch.
+    Item(I),
+    /// Uneven inputs: this rank's shard is exhausted, another rank's is not. The rank takes
+    /// part in the step's collectives without data (zero gradients, no metrics item).
+    Idle,
+    /// Uneven inputs: every rank's shard is exhausted; finish what is pending (the last, partial
+    /// gradient accumulation). The split ends after it.
+    End,
+}
 
 /// Scales a rank's progress to the whole job (all ranks process as many items).
 fn global(progress: Progress, world: usize) -> Progress {
@@ -54,16 +67,38 @@ impl DdpStrategy {
         }
     }
 
+    /// Items of a split over all ranks (each rank's loader may hold another number).
+    pub(super) fn split_items<I>(&self, loader: &Arc<dyn DataLoader<I>>) -> Result<usize> {
+        let mine = loader.num_items() as f64;
+        let all = self.group.all_reduce(vec![mine], ReduceOp::Sum).wait()?;
+        Ok(all[0] as usize)
+    }
+
+    /// Whether this rank has a batch in this step, told to every rank with the job's items
+    /// processed so far: `None` once no rank has one (uneven inputs, PyTorch's `Join`).
+    fn join(&self, has_batch: bool, processed: usize) -> Result<Option<usize>> {
+        let mine = vec![f64::from(u8::from(has_batch)), processed as f64];
+        let all = self.group.all_reduce(mine, ReduceOp::Sum).wait()?;
+        Ok((all[0] > 0.0).then_some(all[1] as usize))
+    }
+
     /// Runs one split: `step` turns a batch into its output (and the learning rate used); each
     /// output is gathered to rank 0 while the next step computes, then handed to `process`.
     /// After each step where stopping is possible the ranks vote (pipelined, see
     /// [`StepVote`]); the split ends early when they agree to stop.
+    ///
+    /// With `uneven`, ranks may hold different numbers of batches: every step starts with a
+    /// tiny all-reduce saying which ranks still have one; a rank that ran out takes part in the
+    /// steps as [`Batch::Idle`] until none has a batch, then all take a [`Batch::End`] step
+    /// and the split ends together. `total` is the split's items over all ranks.
+    #[allow(clippy::too_many_arguments)]
     pub(super) fn run_split<I, T: GlobalItem>(
         &self,
         loader: &Arc<dyn DataLoader<I>>,
         device: &Device,
         first_iteration: usize,
-        mut step: impl FnMut(I, &Progress, usize) -> Result<StepOutput<T>>,
+        (uneven, total): (bool, usize),
+        mut step: impl FnMut(Batch<I>, &Progress, usize) -> Result<StepOutput<T>>,
         mut process: impl FnMut(LearnerEvent<T>) -> std::result::Result<(), EventProcessorError>,
         interrupter: &Interrupter,
     ) -> Result<SplitEnd> {
@@ -76,26 +111,48 @@ impl DdpStrategy {
         let mut vote = StepVote::default();
         let mut last_progress = None;
         let mut stop = Stop::Continue;
+        let mut exhausted = false;
         loop {
-            status.activity(Some("loading a batch".into()));
-            let Some(item) = iterator.next() else {
+            let item = if exhausted {
+                None
+            } else {
+                status.activity(Some("loading a batch".into()));
+                let item = iterator.next();
                 status.activity(None);
-                break;
+                item
             };
-            status.activity(None);
             // A rank cannot skip a batch alone: its error ends training here, and the other
             // ranks learn of it from the collectives.
-            let item = item.map_err(|e| DdpError::Data {
+            let item = item.transpose().map_err(|e| DdpError::Data {
                 rank: self.group.rank(),
                 reason: e.to_string(),
             })?;
+            exhausted = item.is_none();
+            let own = iterator.progress();
+            let progress = if uneven {
+                let Some(processed) = self.join(item.is_some(), own.items_processed)? else {
+                    step(Batch::End, &global(own, world), iteration)?;
+                    break;
+                };
+                Progress {
+                    items_processed: processed,
+                    items_total: total,
+                    unit: own.unit,
+                }
+            } else {
+                global(own, world)
+            };
+            let batch = match item {
+                Some(item) => Batch::Item(item),
+                None if uneven => Batch::Idle,
+                None => break,
+            };
             iteration += 1;
             status.step(iteration);
-            let progress = iterator.progress();
-            let (output, lr, boundary) = step(item, &progress, iteration)?;
+            let (output, lr, boundary) = step(batch, &progress, iteration)?;
             let report = Report {
                 item: PendingItem::start(output, &self.group)?,
-                progress: global(progress.clone(), world),
+                progress: progress.clone(),
                 iteration,
                 lr,
             };

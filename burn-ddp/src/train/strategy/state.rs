@@ -20,6 +20,7 @@ impl DdpStrategy {
         let Some(config) = &self.checkpoints else {
             return Ok(());
         };
+        self.buffers.settle(&learner.model())?;
         let status = self.group.status();
         let phase = status.current().phase;
         status.enter(Phase::Checkpointing, Some(at.epoch));

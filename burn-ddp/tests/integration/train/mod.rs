@@ -6,12 +6,18 @@
 //!   gradient accumulation, a parameter without gradient in some steps;
 //! - `lockstep`: a hand-written loop whose ranks stay bit identical after every step;
 //! - `disagreement`: ranks with another model, setting or step stop naming the difference;
-//! - `job`, `checkpoints`: the checkpointed job (also what rank processes run) and resuming it.
+//! - `job`, `checkpoints`: the checkpointed job (also what rank processes run) and resuming it;
+//! - `buffers`: BatchNorm's running statistics kept identical (or not) across ranks;
+//! - `evaluation`: validation metrics that do not depend on the world size;
+//! - `join`: ranks with different numbers of batches training together.
 
+mod buffers;
 mod checkpoints;
 mod disagreement;
 pub(crate) mod equivalence;
+mod evaluation;
 mod job;
+mod join;
 pub(crate) mod lockstep;
 mod model;
 

@@ -10,12 +10,12 @@ use burn::data::dataloader::batcher::Batcher;
 use burn::data::dataset::{Dataset, DatasetError};
 use burn::module::{Module, Param};
 use burn::nn::loss::CrossEntropyLossConfig;
-use burn::nn::{Linear, LinearConfig, Relu};
+use burn::nn::{BatchNorm, BatchNormConfig, Linear, LinearConfig, Relu};
 use burn::tensor::{Device, Int, Tensor, TensorData};
 use burn::train::{ClassificationOutput, InferenceStep, TrainOutput, TrainStep};
 use burn_ddp::train::flat_parameters;
 
-use crate::common::value;
+use crate::common::{digest, value};
 
 const FEATURES: usize = 6;
 const CLASSES: usize = 3;
@@ -67,6 +67,8 @@ impl Batcher<(Vec<f32>, usize), Batch> for ToBatch {
 #[derive(Module, Debug)]
 pub(crate) struct Net {
     hidden: Linear,
+    /// Batch normalisation after the hidden layer: running statistics are buffers.
+    norm: Option<BatchNorm>,
     out: Linear,
     /// Used only by some batches: its parameters get no gradient in some steps.
     extra: Option<Linear>,
@@ -99,11 +101,18 @@ impl Net {
     pub(crate) fn new(device: &Device, with_extra: bool) -> Self {
         Net {
             hidden: LinearConfig::new(FEATURES, 16).init(device),
+            norm: None,
             out: LinearConfig::new(16, CLASSES).init(device),
             extra: with_extra.then(|| LinearConfig::new(16, CLASSES).init(device)),
             ballast: None,
             act: Relu::new(),
         }
+    }
+
+    /// Adds batch normalisation after the hidden layer.
+    pub(crate) fn with_norm(mut self, device: &Device) -> Self {
+        self.norm = Some(BatchNormConfig::new(16).init(device));
+        self
     }
 
     /// Adds `n` frozen values to the model.
@@ -139,7 +148,11 @@ impl Net {
     }
 
     fn compute(&self, b: Batch) -> ClassificationOutput {
-        let h = self.act.forward(self.hidden.forward(b.x));
+        let mut h = self.hidden.forward(b.x);
+        if let Some(norm) = &self.norm {
+            h = norm.forward(h);
+        }
+        let h = self.act.forward(h);
         let mut logits = self.out.forward(h.clone());
         if let (Some(extra), true) = (&self.extra, b.use_extra) {
             logits = logits + extra.forward(h);
@@ -155,6 +168,11 @@ impl TrainStep for Net {
     type Input = Batch;
     type Output = ClassificationOutput;
     fn step(&self, b: Batch) -> TrainOutput<ClassificationOutput> {
+        STEP_DIGESTS.with_borrow_mut(|d| {
+            if let Some(d) = d {
+                d.push(digest(bytemuck::cast_slice(&flat_parameters(self))));
+            }
+        });
         let item = self.forward(b);
         TrainOutput::new(self, item.loss.backward(), item)
     }
@@ -166,6 +184,17 @@ impl InferenceStep for Net {
     fn step(&self, b: Batch) -> ClassificationOutput {
         self.forward(b)
     }
+}
+
+thread_local! {
+    /// When set, each training step of a `Net` on this thread records the digest of the model
+    /// it starts from (parameters and buffers): the model after the previous step.
+    static STEP_DIGESTS: std::cell::RefCell<Option<Vec<u64>>> = const { std::cell::RefCell::new(None) };
+}
+
+/// Starts (`true`) or ends recording this thread's step digests; returns those recorded.
+pub(crate) fn record_steps(on: bool) -> Vec<u64> {
+    STEP_DIGESTS.with_borrow_mut(|d| std::mem::replace(d, on.then(Vec::new)).unwrap_or_default())
 }
 
 /// The device the CPU tests train on.

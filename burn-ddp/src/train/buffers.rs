@@ -1,0 +1,165 @@
+//! Buffers: the float state of a model that receives no gradient (BatchNorm's running mean and
+//! variance, and the like). Gradient averaging leaves them as each rank's own batches made them,
+//! so without help every replica validates and saves a different model. [`BufferSync`] chooses
+//! how they are kept identical; the periodic [replica check](check_replicas) proves it.
+//!
+//! burn keeps a `RunningState`'s updates per thread until something merges them (its
+//! `value_sync`, or `Module::valid`); the model's clones share that state. So the buffers are
+//! merged first, then read in visit order, and what the ranks agreed on is written back through a
+//! mapper over a clone of the learner's model: the clone's running states are the learner's.
+
+use std::sync::Arc;
+
+use burn::module::Module;
+use burn::tensor::Tensor;
+
+use super::params::{Assign, Flatten, Select, flat_values};
+use crate::ProcessGroup;
+use crate::collectives::{ReduceOp, Work};
+use crate::error::{DdpError, Result};
+
+/// How `DdpLearner` keeps buffers (float state without gradient, such as BatchNorm's running
+/// statistics) identical across ranks.
+///
+/// ```ignore
+/// let learner = DdpLearner::new(model, optim, lr)?.buffer_sync(BufferSync::Average);
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum BufferSync {
+    /// Rank 0's buffers replace every rank's at each optimizer step, in one broadcast that
+    /// travels while the gradients are reduced (PyTorch DDP's `broadcast_buffers=True`). The
+    /// replicas stay bit-identical after every step.
+    #[default]
+    Broadcast,
+    /// Each rank keeps its own during the epoch; they are averaged across ranks at the end of
+    /// each training epoch (so before validation) and before each checkpoint. One all-reduce
+    /// per epoch instead of one broadcast per step.
+    Average,
+    /// Never synchronised: each rank validates with its own; checkpoints hold rank 0's.
+    Off,
+}
+
+impl std::fmt::Display for BufferSync {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            BufferSync::Broadcast => "broadcast",
+            BufferSync::Average => "average",
+            BufferSync::Off => "off",
+        })
+    }
+}
+
+/// Applies a [`BufferSync`] to a model in a process group.
+pub(crate) struct Buffers {
+    mode: BufferSync,
+    group: Arc<ProcessGroup>,
+    /// Whether the model has buffers at all (and more than one rank shares them).
+    active: bool,
+}
+
+/// Rank 0's buffers on their way (see [`Buffers::start_step`]).
+pub(crate) struct PendingBuffers(Work<Tensor<1>>);
+
+impl Buffers {
+    /// Buffer synchronisation for `model` (on its training device) in `group`.
+    pub(crate) fn new<M: Module>(mode: BufferSync, group: Arc<ProcessGroup>, model: &M) -> Self {
+        let has_buffers = Flatten::module(model, Select::Buffers).is_some();
+        let active = has_buffers && group.world_size() > 1 && mode != BufferSync::Off;
+        Buffers {
+            mode,
+            group,
+            active,
+        }
+    }
+
+    /// At an optimizer step, after the forward passes updated the buffers: starts the
+    /// broadcast of rank 0's ([`BufferSync::Broadcast`]; nothing otherwise). Start it before
+    /// the step's gradient reduction, so that both travel together.
+    pub(crate) fn start_step<M: Module>(&self, model: &M) -> Option<PendingBuffers> {
+        if !self.active || self.mode != BufferSync::Broadcast {
+            return None;
+        }
+        let flat = current(model)?;
+        Some(PendingBuffers(self.group.broadcast(flat, 0)))
+    }
+
+    /// Writes rank 0's buffers, started by [`Buffers::start_step`], into `model`.
+    pub(crate) fn finish_step<M: Module>(
+        &self,
+        pending: Option<PendingBuffers>,
+        model: &M,
+    ) -> Result<()> {
+        if let Some(PendingBuffers(work)) = pending {
+            Assign::module(model.clone(), Select::Buffers, work.wait()?);
+        }
+        Ok(())
+    }
+
+    /// At the end of a training epoch and before a checkpoint: averages the buffers across
+    /// ranks ([`BufferSync::Average`]; nothing otherwise, since broadcast buffers already agree).
+    pub(crate) fn settle<M: Module>(&self, model: &M) -> Result<()> {
+        if !self.active || self.mode != BufferSync::Average {
+            return Ok(());
+        }
+        if let Some(flat) = current(model) {
+            let mean = self.group.all_reduce(flat, ReduceOp::Avg).wait()?;
+            Assign::module(model.clone(), Select::Buffers, mean);
+        }
+        Ok(())
+    }
+
+    /// Checks that every rank holds the same model: parameters, and buffers unless they are
+    /// not synchronised. `when` says at which point of training, for the error.
+    pub(crate) fn check_replicas<M: Module>(&self, model: &M, when: &str) -> Result<()> {
+        let select = if self.mode == BufferSync::Off {
+            Select::Parameters
+        } else {
+            Select::All
+        };
+        merge_updates(model);
+        check_replicas(&self.group, &flat_values(model, select), when)
+    }
+}
+
+/// Merges the running states' pending per-thread updates into their shared values (see the
+/// module's documentation): `Module::valid` does it on the states the model's clones share.
+fn merge_updates<M: Module>(model: &M) {
+    let _ = model.valid();
+}
+
+/// The model's buffers now, flattened (`None` without buffers).
+fn current<M: Module>(model: &M) -> Option<Tensor<1>> {
+    merge_updates(model);
+    Flatten::module(model, Select::Buffers)
+}
+
+/// FNV-1a of `values`' bytes.
+fn digest(values: &[f32]) -> u64 {
+    values
+        .iter()
+        .flat_map(|x| x.to_le_bytes())
+        .fold(0xcbf2_9ce4_8422_2325, |h, b| {
+            (h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3)
+        })
+}
+
+/// The replica check: every rank's `values` (its model, flattened) hashed and gathered; a rank
+/// whose hash differs from rank 0's is a disagreement naming it. Costs one read of the model
+/// to the host and an all-gather of 8 bytes per rank.
+pub(crate) fn check_replicas(group: &ProcessGroup, values: &[f32], when: &str) -> Result<()> {
+    if group.world_size() == 1 {
+        return Ok(());
+    }
+    let all = group
+        .all_gather(digest(values).to_le_bytes().to_vec())
+        .wait()?;
+    let differ: Vec<usize> = (1..all.len()).filter(|&r| all[r] != all[0]).collect();
+    if differ.is_empty() {
+        return Ok(());
+    }
+    Err(DdpError::Disagreement(format!(
+        "the replicas diverged {when}: rank(s) {differ:?} hold another model than rank 0 \
+         (parameters or buffers differ); a rank changed its model outside the optimizer step, \
+         or the ranks synchronise buffers differently"
+    )))
+}
