@@ -73,8 +73,8 @@ impl Buffers {
     }
 
     /// At an optimizer step, after the forward passes updated the buffers: starts the
-    /// broadcast of rank 0's ([`BufferSync::Broadcast`]; nothing otherwise). Start it before
-    /// the step's gradient reduction, so that both travel together.
+    /// broadcast of rank 0's ([`BufferSync::Broadcast`]; nothing otherwise). Finish it before
+    /// the next forward pass.
     pub(crate) fn start_step<M: Module>(&self, model: &M) -> Option<PendingBuffers> {
         if !self.active || self.mode != BufferSync::Broadcast {
             return None;

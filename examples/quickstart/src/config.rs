@@ -7,9 +7,58 @@ use std::path::PathBuf;
 
 use clap::{CommandFactory, FromArgMatches, Parser};
 
+/// The network the quickstart trains.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
+pub enum ModelKind {
+    /// A two-layer perceptron.
+    #[default]
+    Mlp,
+    /// The perceptron with burn's BatchNorm after the hidden layer (each rank's batch
+    /// statistics; running statistics kept identical across ranks by DdpLearner).
+    MlpBn,
+    /// The perceptron with burn-ddp's SyncBatchNorm after the hidden layer (statistics over
+    /// every rank's batch).
+    MlpSyncbn,
+}
+
+impl std::fmt::Display for ModelKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        use clap::ValueEnum;
+        let value = self.to_possible_value().expect("no variant is skipped");
+        f.write_str(value.get_name())
+    }
+}
+
+/// How buffers (BatchNorm's running statistics) are kept identical across ranks: burn-ddp's
+/// `BufferSync`, as a flag.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
+pub enum BufferSyncFlag {
+    /// Rank 0's at every step.
+    #[default]
+    Broadcast,
+    /// Averaged at each epoch's end and before checkpoints.
+    Average,
+    /// Not synchronised.
+    Off,
+}
+
+impl From<BufferSyncFlag> for burn_ddp::train::BufferSync {
+    fn from(flag: BufferSyncFlag) -> Self {
+        match flag {
+            BufferSyncFlag::Broadcast => Self::Broadcast,
+            BufferSyncFlag::Average => Self::Average,
+            BufferSyncFlag::Off => Self::Off,
+        }
+    }
+}
+
 /// Options of a quickstart run (the binaries' flags).
 #[derive(Debug, Clone)]
 pub struct Config {
+    /// The network.
+    pub model: ModelKind,
+    /// How buffers are synchronised across ranks.
+    pub buffer_sync: BufferSyncFlag,
     /// Epochs.
     pub epochs: usize,
     /// Batch size per rank.
@@ -49,6 +98,8 @@ pub struct Config {
 impl Default for Config {
     fn default() -> Self {
         Config {
+            model: ModelKind::Mlp,
+            buffer_sync: BufferSyncFlag::Broadcast,
             epochs: 10,
             batch_size: 32,
             lr: 0.001,
@@ -78,6 +129,13 @@ impl Default for Config {
              (burn-ddp-run, cargo xtask multi-cpu, torchrun, srun, mpirun)"
 )]
 pub struct Flags {
+    /// The network: an MLP, with BatchNorm, or with SyncBatchNorm
+    #[arg(long, value_name = "KIND")]
+    pub model: Option<ModelKind>,
+    /// Buffers (running statistics) across ranks: rank 0's every step, averaged per epoch, or
+    /// not synchronised [default: broadcast]
+    #[arg(long, value_name = "MODE")]
+    pub buffer_sync: Option<BufferSyncFlag>,
     /// Epochs
     #[arg(long, value_name = "N")]
     pub epochs: Option<usize>,
@@ -133,6 +191,7 @@ impl Config {
     pub fn command(&self) -> clap::Command {
         let shown = |v: &dyn ToString| v.to_string();
         let mut cmd = Flags::command()
+            .mut_arg("model", |a| a.default_value(shown(&self.model)))
             .mut_arg("epochs", |a| a.default_value(shown(&self.epochs)))
             .mut_arg("batch_size", |a| a.default_value(shown(&self.batch_size)))
             .mut_arg("lr", |a| a.default_value(shown(&self.lr)))
@@ -174,6 +233,8 @@ impl Config {
     /// `self` with every flag that is set in `flags`.
     pub fn with(mut self, flags: Flags) -> Self {
         let Flags {
+            model,
+            buffer_sync,
             epochs,
             batch_size,
             lr,
@@ -191,6 +252,8 @@ impl Config {
             checkpoint_every,
             no_desync_check,
         } = flags;
+        self.model = model.unwrap_or(self.model);
+        self.buffer_sync = buffer_sync.unwrap_or(self.buffer_sync);
         self.epochs = epochs.unwrap_or(self.epochs);
         self.batch_size = batch_size.unwrap_or(self.batch_size);
         self.lr = lr.unwrap_or(self.lr);
@@ -225,6 +288,12 @@ mod tests {
             Config::default().lr,
             "a flag not given keeps its default"
         );
+        let cfg = Config::default().parse_args(["--model", "mlp-bn"]).unwrap();
+        assert_eq!(cfg.model, ModelKind::MlpBn);
+        let e = Config::default()
+            .parse_args(["--model", "cnn"])
+            .unwrap_err();
+        assert_eq!(e.kind(), clap::error::ErrorKind::InvalidValue);
         let e = Config::default().parse_args(["--bogus"]).unwrap_err();
         assert_eq!(e.kind(), clap::error::ErrorKind::UnknownArgument);
         let e = Config::default().parse_args(["--lr"]).unwrap_err();

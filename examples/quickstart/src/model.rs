@@ -1,39 +1,69 @@
-//! The quickstart's model: a two-layer perceptron trained with cross-entropy, and its accuracy
-//! on a data split.
+//! The quickstart's model: a two-layer perceptron trained with cross-entropy, optionally with
+//! batch normalisation after the hidden layer (burn's `BatchNorm`, or burn-ddp's
+//! `SyncBatchNorm`), and its accuracy on a data split.
 
 use anyhow::Result;
 use burn::data::dataloader::batcher::Batcher;
 use burn::data::dataset::Dataset;
 use burn::module::Module;
 use burn::nn::loss::CrossEntropyLossConfig;
-use burn::nn::{Linear, LinearConfig, Relu};
+use burn::nn::{BatchNorm, BatchNormConfig, Linear, LinearConfig, Relu};
 use burn::tensor::Device;
 use burn::train::{ClassificationOutput, InferenceStep, TrainOutput, TrainStep};
 
+use crate::config::ModelKind;
 use crate::data::{Data, MyBatch, MyBatcher, MyItem};
 
-/// A two-layer perceptron.
+/// Units of the hidden layer.
+const HIDDEN: usize = 64;
+
+/// Batch normalisation of the hidden layer.
+#[derive(Module, Debug)]
+pub enum Norm {
+    /// burn's: statistics of this rank's batch.
+    Batch(BatchNorm),
+}
+
+impl Norm {
+    fn forward(&self, x: burn::tensor::Tensor<2>) -> burn::tensor::Tensor<2> {
+        match self {
+            Norm::Batch(n) => n.forward(x),
+        }
+    }
+}
+
+/// A two-layer perceptron, optionally with batch normalisation after the hidden layer.
 #[derive(Module, Debug)]
 pub struct MyModel {
     hidden: Linear,
+    norm: Option<Norm>,
     out: Linear,
     act: Relu,
 }
 
 impl MyModel {
-    /// A freshly initialised model for `features` inputs and `classes` outputs.
-    pub fn init(device: &Device, features: usize, classes: usize) -> Self {
+    /// A freshly initialised model of `kind` for `features` inputs and `classes` outputs.
+    pub fn init(device: &Device, kind: ModelKind, features: usize, classes: usize) -> Self {
+        let config = BatchNormConfig::new(HIDDEN);
+        let norm = match kind {
+            ModelKind::Mlp => None,
+            ModelKind::MlpBn => Some(Norm::Batch(config.init(device))),
+            ModelKind::MlpSyncbn => todo!(),
+        };
         MyModel {
-            hidden: LinearConfig::new(features, 64).init(device),
-            out: LinearConfig::new(64, classes).init(device),
+            hidden: LinearConfig::new(features, HIDDEN).init(device),
+            norm,
+            out: LinearConfig::new(HIDDEN, classes).init(device),
             act: Relu::new(),
         }
     }
 
     fn forward_classification(&self, batch: MyBatch) -> ClassificationOutput {
-        let logits = self
-            .out
-            .forward(self.act.forward(self.hidden.forward(batch.inputs)));
+        let mut hidden = self.hidden.forward(batch.inputs);
+        if let Some(norm) = &self.norm {
+            hidden = norm.forward(hidden);
+        }
+        let logits = self.out.forward(self.act.forward(hidden));
         let loss = CrossEntropyLossConfig::new()
             .init(&logits.device())
             .forward(logits.clone(), batch.targets.clone());

@@ -118,10 +118,13 @@ pub fn run(group: Arc<ProcessGroup>, cfg: &Config) -> Result<Report> {
     };
     device.seed(cfg.seed);
     // Parameters are initialised lazily; materialise them while the seed still decides.
-    let model = MyModel::init(&device, features, classes).materialize();
+    let model = MyModel::init(&device, cfg.model, features, classes).materialize();
 
     let sampler = DistributedSampler::for_group(&group).seed(cfg.seed);
-    let valid_sampler = DistributedSampler::for_group(&group).shuffle(false);
+    // Validation counts every sample once, whatever the world size: no padding.
+    let valid_sampler = DistributedSampler::for_group(&group)
+        .shuffle(false)
+        .pad(false);
     let train = DataLoaderBuilder::new(MyBatcher)
         .batch_size(cfg.batch_size)
         .build(sampler.dataset(train_data));
@@ -164,7 +167,9 @@ pub fn run(group: Arc<ProcessGroup>, cfg: &Config) -> Result<Report> {
                 .setting("seed", cfg.seed)
                 .setting("epochs", cfg.epochs)
                 .setting("data", format!("{:?}", cfg.digits))
+                .setting("model", cfg.model)
                 .desync_check(!cfg.no_desync_check)
+                .buffer_sync(cfg.buffer_sync.into())
                 .progress(progress);
         if let Some(dir) = &cfg.checkpoint_dir {
             learner = learner.checkpoints(CheckpointConfig::new(dir).every(cfg.checkpoint_every));

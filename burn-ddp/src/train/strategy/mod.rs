@@ -85,7 +85,12 @@ impl DdpStrategy {
         let mut micro = 0;
         let every = self.checkpoints.as_ref().and_then(|c| c.every_steps);
         let uneven = self.uneven;
-        let step = |batch: Batch<_>, progress: &Progress, iteration: usize| {
+        // Rank 0's buffers of the last optimizer step, on their way: applied before the next
+        // forward pass (PyTorch's timing), so their broadcast travels during the optimizer
+        // step and the loading of the next batch.
+        let mut buffers = None;
+        let mut step = |batch: Batch<_>, progress: &Progress, iteration: usize| {
+            self.buffers.finish_step(buffers.take(), &learner.model())?;
             let end = matches!(batch, Batch::End);
             let (item, grads) = match batch {
                 Batch::Item(item) => {
@@ -120,11 +125,10 @@ impl DdpStrategy {
             let boundary = grads.is_some();
             if let Some(grads) = grads {
                 let model = learner.model();
-                let buffers = self.buffers.start_step(&model);
                 let grads = self
                     .reducer
                     .reduce_at(&model, grads, from.epoch, iteration)?;
-                self.buffers.finish_step(buffers, &model)?;
+                buffers = self.buffers.start_step(&model);
                 learner.lr_step();
                 learner.optimizer_step(grads);
                 // Optimizer steps of the epoch so far; the epoch's end has its own checkpoint.
@@ -136,6 +140,7 @@ impl DdpStrategy {
                         samples: from.samples + progress.items_processed,
                         world_size: self.group.world_size(),
                     };
+                    self.buffers.finish_step(buffers.take(), &learner.model())?;
                     self.checkpoint(learner, at, events)?;
                     self.group.status().step(iteration);
                 }
@@ -143,15 +148,18 @@ impl DdpStrategy {
             Ok((item, Some(learner.lr_current()), boundary))
         };
         let process = |event| processor.process_train(event);
-        self.run_split(
+        let end = self.run_split(
             loader,
             &self.device,
             from.batches,
             (uneven, total),
-            step,
+            &mut step,
             process,
             interrupter,
-        )
+        )?;
+        drop(step);
+        self.buffers.finish_step(buffers, &learner.model())?;
+        Ok(end)
     }
 
     /// Validation: every rank evaluates its shard (of any size: ranks that run out first wait
