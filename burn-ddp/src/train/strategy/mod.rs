@@ -157,7 +157,6 @@ impl DdpStrategy {
             process,
             interrupter,
         )?;
-        drop(step);
         self.buffers.finish_step(buffers, &learner.model())?;
         Ok(end)
     }
