@@ -5,7 +5,7 @@ use std::sync::Arc;
 
 use burn::optim::SgdConfig;
 use burn::train::TrainStep;
-use burn_ddp::train::{DdpLearner, ProgressOutput};
+use burn_ddp::train::{BufferSync, DdpLearner, ProgressOutput};
 
 use super::launch_to_error;
 use super::lockstep::ManualRank;
@@ -27,9 +27,24 @@ fn ranks_with_different_models_or_settings_stop_naming_the_difference() {
         let model_error = launch_to_error(learner(new_net(&device, None, rank == 1), 4), 4);
         let setting_error =
             launch_to_error(learner(new_net(&device, None, false), 4 + rank), 4 + rank);
-        (model_error, setting_error)
+        // Buffers take part: rank 1 synchronises them otherwise, then has none.
+        let mode = [BufferSync::Broadcast, BufferSync::Average][rank];
+        let normed = || new_net(&device, None, false).with_norm(&device);
+        let buffer_error = launch_to_error(learner(normed(), 4).buffer_sync(mode), 4);
+        let model = if rank == 0 { normed() } else { new_net(&device, None, false) };
+        let missing_error = launch_to_error(learner(model, 4), 4);
+        (model_error, setting_error, buffer_error, missing_error)
     });
-    for (model_error, setting_error) in errors {
+    for (model_error, setting_error, buffer_error, missing_error) in errors {
+        assert!(
+            buffer_error.contains("setting buffer_sync = broadcast")
+                && buffer_error.contains("setting buffer_sync = average"),
+            "{buffer_error}"
+        );
+        assert!(
+            missing_error.contains("`norm.gamma`") && missing_error.contains("rank 1 has"),
+            "{missing_error}"
+        );
         assert!(model_error.contains("ranks disagree"), "{model_error}");
         assert!(model_error.contains("rank 1 has"), "{model_error}");
         assert!(
