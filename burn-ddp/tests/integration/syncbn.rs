@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use burn::module::{Module, Param};
 use burn::nn::{BatchNorm, BatchNormConfig, Linear, LinearConfig};
-use burn::optim::{GradientsParams, Optimizer as _, SgdConfig};
+use burn::optim::{GradientsParams, SgdConfig};
 use burn::store::ModuleRecord;
 use burn::tensor::activation::relu;
 use burn::tensor::{Device, Tensor, TensorData};
@@ -59,22 +59,24 @@ macro_rules! net {
                     ("bn.running_var", v(self.bn.running_var.value_sync())),
                 ]
             }
-
-            /// Sums every parameter's gradient over the group (missing ones count as zeros).
-            fn sum_grads(&self, group: &ProcessGroup, grads: &mut GradientsParams) {
-                sum_grad(group, grads, &self.l1.weight);
-                sum_grad(group, grads, self.l1.bias.as_ref().expect("bias"));
-                sum_grad(group, grads, &self.bn.gamma);
-                sum_grad(group, grads, &self.bn.beta);
-                sum_grad(group, grads, &self.l2.weight);
-                sum_grad(group, grads, self.l2.bias.as_ref().expect("bias"));
-            }
         }
     };
 }
 
 net!(RefNet, BatchNorm);
 net!(SyncNet, SyncBatchNorm);
+
+impl SyncNet {
+    /// Sums every parameter's gradient over the group (missing ones count as zeros).
+    fn sum_grads(&self, group: &ProcessGroup, grads: &mut GradientsParams) {
+        sum_grad(group, grads, &self.l1.weight);
+        sum_grad(group, grads, self.l1.bias.as_ref().expect("bias"));
+        sum_grad(group, grads, &self.bn.gamma);
+        sum_grad(group, grads, &self.bn.beta);
+        sum_grad(group, grads, &self.l2.weight);
+        sum_grad(group, grads, self.l2.bias.as_ref().expect("bias"));
+    }
+}
 
 fn sum_grad<const D: usize>(
     group: &ProcessGroup,
@@ -208,6 +210,9 @@ fn uneven_batches_are_count_weighted() {
 #[test]
 fn an_empty_batch_contributes_nothing_and_does_not_hang() {
     assert_matches_reference(&[0, 6]);
+    // With two non-empty ranks the backward's all-reduce matters, and the empty rank must
+    // still take part in it (or the others wait for it until the group's timeout).
+    assert_matches_reference(&[2, 0, 4]);
 }
 
 /// A BatchNorm with non-trivial parameters and running statistics (a few training forwards).
