@@ -33,7 +33,10 @@ use crate::{ProcessGroup, ReduceOp};
 /// scope or in a world of one normalises with the local batch.
 ///
 /// Every rank of the group must run the same `SyncBatchNorm` layers in the same order, forward
-/// and backward, as with PyTorch. A failed collective panics with the group's error (the group
+/// and backward, as with PyTorch, and start from the same running statistics (the sums are
+/// taken relative to the running mean, for precision, so it must be the same on every rank: it
+/// is when the ranks start from the same model or checkpoint, since this layer updates it with
+/// the global statistics). A failed collective panics with the group's error (the group
 /// has recorded it; the training loop reports it).
 ///
 /// Supported devices: `flex` (CPU), and the CubeCL devices (CUDA, wgpu) when burn-ddp is built

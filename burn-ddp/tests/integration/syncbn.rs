@@ -319,3 +319,42 @@ fn a_batch_norm_record_loads_into_sync_batch_norm() {
     // After the loaded module read its (lazily loaded) tensors.
     std::fs::remove_dir_all(&dir).ok();
 }
+
+/// Timing, not a check: one forward and backward of SyncBatchNorm at world 2 against
+/// BatchNorm's on a `[32, 64]` input (`cargo test ... syncbn::timing -- --ignored --nocapture`).
+#[test]
+#[ignore]
+fn timing_forward_backward_32x64() {
+    const ITERS: u32 = 50;
+    let device = flex();
+    let input = |device: &Device| {
+        let data: Vec<f32> = (0..32 * 64).map(|i| value(11, 0, i)).collect();
+        Tensor::<2>::from_data(TensorData::new(data, [32, 64]), device).require_grad()
+    };
+    let time = |f: &dyn Fn()| {
+        f(); // warm-up
+        let start = std::time::Instant::now();
+        for _ in 0..ITERS {
+            f();
+        }
+        start.elapsed() / ITERS
+    };
+    let bn = BatchNormConfig::new(64).init(&device);
+    let local = time(&|| {
+        let x = input(&device);
+        let grads = bn.forward(x.clone()).sum().backward();
+        let _ = x.grad(&grads).expect("grad").into_data();
+    });
+    let synced = run_world(2, options(60), |group| {
+        let _scope = nn::scope(Arc::new(group));
+        let bn = BatchNormConfig::new(64).init_sync(&device);
+        time(&|| {
+            let x = input(&device);
+            let grads = bn.forward(x.clone()).sum().backward();
+            let _ = x.grad(&grads).expect("grad").into_data();
+        })
+    });
+    eprintln!(
+        "[32, 64] forward + backward: BatchNorm {local:?}, SyncBatchNorm at world 2 {synced:?}"
+    );
+}
