@@ -39,6 +39,8 @@ mod error;
 pub mod failure;
 mod group;
 pub mod launch;
+#[cfg(feature = "train")]
+pub mod nn;
 pub mod secret;
 pub mod signals;
 pub mod status;

@@ -15,6 +15,7 @@ mod processes;
 mod security;
 mod soak;
 mod store;
+mod syncbn;
 mod tensors;
 mod torchrun;
 mod train;
