@@ -16,7 +16,9 @@
 //!   and generating the job [`secret`]); `cli` (feature `cli`): the launcher's flags;
 //! - [`status`]: where each rank is, published so that failures say where every rank was;
 //! - [`signals`]: SIGTERM, SIGINT and SIGUSR1 stop training at a step boundary (preemption);
-//! - `train` (feature `train`): `DdpLearner`, bucketing, `DistributedSampler`, checkpoints.
+//! - `train` (feature `train`): `DdpLearner`, bucketing, `DistributedSampler`, checkpoints,
+//!   buffer synchronisation, uneven inputs;
+//! - `nn` (feature `train`): `SyncBatchNorm`, batch statistics over every rank's batch.
 //!
 //! ```no_run
 //! use burn_ddp::{init_process_group, ReduceOp};

@@ -365,9 +365,9 @@ fn every_example_runs_under_the_launcher() {
     let artifacts = Scratch::new("quickstart");
     let params = artifacts.0.join("params.f32");
     let mut args = tiny_training(&artifacts);
-    // With BatchNorm: the digest covers its running statistics, which must agree too.
+    // With SyncBatchNorm: the digest covers its running statistics, which must agree too.
     args.extend(["--params-out".into(), params.display().to_string()]);
-    args.extend(["--model".into(), "mlp-bn".into()]);
+    args.extend(["--model".into(), "mlp-syncbn".into()]);
     let ran = run(launched("quickstart", &args));
     ran.succeeds_printing(&["2 rank(s), 1 epochs, batch 16 per rank: validation accuracy"]);
     let digests = ran.digests();

@@ -95,9 +95,11 @@ impl Buffers {
         Ok(())
     }
 
-    /// At the end of a training epoch and before a checkpoint: averages the buffers across
-    /// ranks ([`BufferSync::Average`]; nothing otherwise, since broadcast buffers already agree).
+    /// At the end of a training epoch and before a checkpoint: merges the buffers' pending
+    /// updates (so that records hold the last one) and averages them across ranks
+    /// ([`BufferSync::Average`]; broadcast buffers already agree, others stay apart).
     pub(crate) fn settle<M: Module>(&self, model: &M) -> Result<()> {
+        merge_updates(model);
         if !self.active || self.mode != BufferSync::Average {
             return Ok(());
         }

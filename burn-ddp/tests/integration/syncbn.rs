@@ -127,8 +127,12 @@ fn batch(step: usize, range: std::ops::Range<usize>, device: &Device) -> (Tensor
 }
 
 /// `STEPS` SGD steps of the reference model (BatchNorm) on the whole batch of `global` samples.
-fn train_reference(init: &ModuleRecord, global: usize) -> Vec<(&'static str, Vec<f32>)> {
-    let device = flex();
+fn train_reference(
+    device: &Device,
+    init: &ModuleRecord,
+    global: usize,
+) -> Vec<(&'static str, Vec<f32>)> {
+    let device = device.clone();
     let mut model = RefNet::new(&device).load_record(init.clone());
     let mut optim = SgdConfig::new().init();
     for step in 0..STEPS {
@@ -144,13 +148,17 @@ fn train_reference(init: &ModuleRecord, global: usize) -> Vec<(&'static str, Vec
 /// The loss is the mean over the GLOBAL batch: each rank's loss is the sum over its samples
 /// divided by the global batch size, and the gradients are summed over the ranks; the sum of
 /// the ranks' losses is then the reference's loss, so the gradients are the reference's.
-fn train_world(init: &ModuleRecord, sizes: &[usize]) -> Vec<Vec<(&'static str, Vec<f32>)>> {
+fn train_world(
+    device: &Device,
+    init: &ModuleRecord,
+    sizes: &[usize],
+) -> Vec<Vec<(&'static str, Vec<f32>)>> {
     let global: usize = sizes.iter().sum();
     run_world(sizes.len(), options(60), |group| {
         let group = Arc::new(group);
         let rank = group.rank();
         let start: usize = sizes[..rank].iter().sum();
-        let device = flex();
+        let device = device.clone();
         let mut model = SyncNet::new(&device).load_record(init.clone());
         let mut optim = SgdConfig::new().init();
         let _scope = nn::scope(group.clone());
@@ -177,10 +185,12 @@ fn relative_error(a: &[f32], b: &[f32]) -> f64 {
     diff / scale
 }
 
-fn assert_matches_reference(sizes: &[usize]) {
+/// World `sizes.len()` with SyncBatchNorm, rank r with `sizes[r]` samples, on `device`, against
+/// one process with BatchNorm and the whole batch (also what `crate::wgpu` runs).
+pub(crate) fn matches_reference(device: &Device, sizes: &[usize]) {
     let init = initial_record();
-    let reference = train_reference(&init, sizes.iter().sum());
-    for (rank, state) in train_world(&init, sizes).iter().enumerate() {
+    let reference = train_reference(device, &init, sizes.iter().sum());
+    for (rank, state) in train_world(device, &init, sizes).iter().enumerate() {
         for ((name, got), (_, want)) in state.iter().zip(&reference) {
             let err = relative_error(got, want);
             eprintln!("sizes {sizes:?}, rank {rank}: {name}: relative error {err:.2e}");
@@ -194,25 +204,25 @@ fn assert_matches_reference(sizes: &[usize]) {
 
 #[test]
 fn world_2_matches_one_process_with_the_global_batch() {
-    assert_matches_reference(&[4, 4]);
+    matches_reference(&flex(), &[4, 4]);
 }
 
 #[test]
 fn world_3_matches_one_process_with_the_global_batch() {
-    assert_matches_reference(&[3, 3, 3]);
+    matches_reference(&flex(), &[3, 3, 3]);
 }
 
 #[test]
 fn uneven_batches_are_count_weighted() {
-    assert_matches_reference(&[3, 5]);
+    matches_reference(&flex(), &[3, 5]);
 }
 
 #[test]
 fn an_empty_batch_contributes_nothing_and_does_not_hang() {
-    assert_matches_reference(&[0, 6]);
+    matches_reference(&flex(), &[0, 6]);
     // With two non-empty ranks the backward's all-reduce matters, and the empty rank must
     // still take part in it (or the others wait for it until the group's timeout).
-    assert_matches_reference(&[2, 0, 4]);
+    matches_reference(&flex(), &[2, 0, 4]);
 }
 
 /// A BatchNorm with non-trivial parameters and running statistics (a few training forwards).

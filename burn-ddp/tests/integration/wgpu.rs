@@ -97,6 +97,11 @@ fn on_wgpu(check: fn(&Device)) {
 }
 
 #[test]
+fn wgpu_sync_batch_norm_matches_batch_norm_over_the_global_batch() {
+    on_wgpu(|device| crate::syncbn::matches_reference(device, &[3, 5]));
+}
+
+#[test]
 fn wgpu_world_2_matches_one_process_with_the_global_batch() {
     on_wgpu(|device| equivalence::equivalence(device, 2, None));
 }

@@ -10,6 +10,7 @@ use burn::nn::loss::CrossEntropyLossConfig;
 use burn::nn::{BatchNorm, BatchNormConfig, Linear, LinearConfig, Relu};
 use burn::tensor::Device;
 use burn::train::{ClassificationOutput, InferenceStep, TrainOutput, TrainStep};
+use burn_ddp::nn::{BatchNormSyncExt, SyncBatchNorm};
 
 use crate::config::ModelKind;
 use crate::data::{Data, MyBatch, MyBatcher, MyItem};
@@ -22,12 +23,15 @@ const HIDDEN: usize = 64;
 pub enum Norm {
     /// burn's: statistics of this rank's batch.
     Batch(BatchNorm),
+    /// burn-ddp's: statistics of every rank's batch.
+    Sync(SyncBatchNorm),
 }
 
 impl Norm {
     fn forward(&self, x: burn::tensor::Tensor<2>) -> burn::tensor::Tensor<2> {
         match self {
             Norm::Batch(n) => n.forward(x),
+            Norm::Sync(n) => n.forward(x),
         }
     }
 }
@@ -48,7 +52,7 @@ impl MyModel {
         let norm = match kind {
             ModelKind::Mlp => None,
             ModelKind::MlpBn => Some(Norm::Batch(config.init(device))),
-            ModelKind::MlpSyncbn => todo!(),
+            ModelKind::MlpSyncbn => Some(Norm::Sync(config.init_sync(device))),
         };
         MyModel {
             hidden: LinearConfig::new(features, HIDDEN).init(device),

@@ -423,6 +423,8 @@ impl DdpStrategy {
             early_stopping: components.early_stopping,
             event_store: components.event_store,
         };
+        // SyncBatchNorm layers take their statistics over this group.
+        let _scope = crate::nn::scope(self.group.clone());
         let outcome =
             start.and_then(|start| self.run(&mut loop_, &mut learner, train, valid, start));
         if let Err(e) = outcome {

@@ -31,7 +31,11 @@ fn ranks_with_different_models_or_settings_stop_naming_the_difference() {
         let mode = [BufferSync::Broadcast, BufferSync::Average][rank];
         let normed = || new_net(&device, None, false).with_norm(&device);
         let buffer_error = launch_to_error(learner(normed(), 4).buffer_sync(mode), 4);
-        let model = if rank == 0 { normed() } else { new_net(&device, None, false) };
+        let model = if rank == 0 {
+            normed()
+        } else {
+            new_net(&device, None, false)
+        };
         let missing_error = launch_to_error(learner(model, 4), 4);
         (model_error, setting_error, buffer_error, missing_error)
     });
