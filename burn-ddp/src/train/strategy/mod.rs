@@ -18,7 +18,7 @@ use burn::train::{
 mod split;
 mod state;
 
-use split::{Batch, SplitEnd};
+use split::{Batch, SplitEnd, SplitItems};
 
 use super::buffers::Buffers;
 use super::checkpoint::{CheckpointConfig, Position};
@@ -71,7 +71,7 @@ impl DdpStrategy {
         learner: &mut Learner<M>,
         loader: &TrainLoader<M>,
         from: Position,
-        total: usize,
+        items: &SplitItems,
         accumulation: Option<usize>,
         processor: &mut SupervisedTrainingEventProcessor<M>,
         events: &EventStoreClient,
@@ -152,7 +152,7 @@ impl DdpStrategy {
             loader,
             &self.device,
             from.batches,
-            (uneven, total),
+            (uneven, items.total()),
             &mut step,
             process,
             interrupter,
@@ -161,13 +161,14 @@ impl DdpStrategy {
         Ok(end)
     }
 
-    /// Validation: every rank evaluates its shard (of any size: ranks that run out first wait
-    /// in the others' steps), and rank 0's metrics count each sample once.
+    /// Validation: every rank evaluates its shard (of any size: when the ranks hold different
+    /// numbers of items, those that run out first take part in the others' steps), and rank
+    /// 0's metrics count each sample once.
     fn valid_epoch<M>(
         &self,
         learner: &Learner<M>,
         loader: &ValidLoader<M>,
-        total: usize,
+        items: &SplitItems,
         processor: &mut SupervisedTrainingEventProcessor<M>,
         interrupter: &Interrupter,
     ) -> Result<SplitEnd>
@@ -188,7 +189,7 @@ impl DdpStrategy {
             loader,
             &self.device.clone().inner(),
             0,
-            (true, total),
+            (items.uneven(), items.total()),
             step,
             process,
             interrupter,
@@ -229,17 +230,25 @@ impl DdpStrategy {
             }
             status.enter(Phase::Training, Some(epoch));
             let train_items = self.split_items(&train)?;
+            if train_items.uneven() && !self.uneven && self.is_main() && epoch == start.epoch {
+                log::warn!(
+                    "the ranks hold different numbers of training items ({}): if their numbers \
+                     of batches differ, training stops with a desync error; use a \
+                     DistributedSampler, or DdpLearner::uneven_inputs(true)",
+                    train_items.describe()
+                );
+            }
             if self.is_main() {
                 interrupter.fail_on_error(processor.process_train(LearnerEvent::StartSplit {
                     epoch_number: epoch,
-                    total_items: train_items,
+                    total_items: train_items.total(),
                 }));
             }
             let end = self.train_epoch(
                 learner,
                 &train,
                 from,
-                train_items,
+                &train_items,
                 loop_.grad_accumulation,
                 processor,
                 &loop_.event_store,
@@ -281,11 +290,11 @@ impl DdpStrategy {
             if self.is_main() {
                 interrupter.fail_on_error(processor.process_valid(LearnerEvent::StartSplit {
                     epoch_number: epoch,
-                    total_items: valid_items,
+                    total_items: valid_items.total(),
                 }));
             }
             let valid_end =
-                self.valid_epoch(learner, &valid, valid_items, processor, &interrupter)?;
+                self.valid_epoch(learner, &valid, &valid_items, processor, &interrupter)?;
             status.enter(Phase::Checkpointing, Some(epoch));
             let mut stop = false;
             if self.is_main() {

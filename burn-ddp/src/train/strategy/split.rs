@@ -49,6 +49,29 @@ pub(super) enum Batch<I> {
     End,
 }
 
+/// Each rank's number of items in a split.
+pub(super) struct SplitItems(Vec<usize>);
+
+impl SplitItems {
+    /// Items over all ranks.
+    pub(super) fn total(&self) -> usize {
+        self.0.iter().sum()
+    }
+
+    /// Whether the ranks hold different numbers of items (so, in general, of batches).
+    pub(super) fn uneven(&self) -> bool {
+        self.0.iter().any(|n| *n != self.0[0])
+    }
+
+    /// The ranks' counts, for messages: `rank 0: 12, rank 1: 11`.
+    pub(super) fn describe(&self) -> String {
+        let counts: Vec<String> = (self.0.iter().enumerate())
+            .map(|(r, n)| format!("rank {r}: {n}"))
+            .collect();
+        counts.join(", ")
+    }
+}
+
 /// Scales a rank's progress to the whole job (all ranks process as many items).
 fn global(progress: Progress, world: usize) -> Progress {
     Progress {
@@ -67,11 +90,20 @@ impl DdpStrategy {
         }
     }
 
-    /// Items of a split over all ranks (each rank's loader may hold another number).
-    pub(super) fn split_items<I>(&self, loader: &Arc<dyn DataLoader<I>>) -> Result<usize> {
-        let mine = loader.num_items() as f64;
-        let all = self.group.all_reduce(vec![mine], ReduceOp::Sum).wait()?;
-        Ok(all[0] as usize)
+    /// Each rank's number of items in a split, in rank order (they may differ).
+    pub(super) fn split_items<I>(&self, loader: &Arc<dyn DataLoader<I>>) -> Result<SplitItems> {
+        let mine = (loader.num_items() as u64).to_le_bytes().to_vec();
+        let all = self.group.all_gather(mine).wait()?;
+        let per_rank = all
+            .iter()
+            .map(|b| {
+                b.as_slice()
+                    .try_into()
+                    .map(|b| u64::from_le_bytes(b) as usize)
+            })
+            .collect::<std::result::Result<_, _>>()
+            .map_err(|_| DdpError::Disagreement("a rank sent a malformed item count".into()))?;
+        Ok(SplitItems(per_rank))
     }
 
     /// Whether this rank has a batch in this step, told to every rank with the job's items
