@@ -47,11 +47,7 @@ fn train(world: usize, mode: BufferSync) -> Vec<Outcome> {
                 .batch_size(4)
                 .build(s.dataset(data))
         };
-        let dir = std::env::temp_dir().join(format!(
-            "burn-ddp-buffers-{}-{:?}",
-            std::process::id(),
-            std::thread::current().id()
-        ));
+        let dir = super::thread_dir("buffers");
         let training = SupervisedTraining::new(
             &dir,
             loader(Points(DATA), &sampler),

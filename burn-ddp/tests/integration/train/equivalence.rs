@@ -57,11 +57,7 @@ fn train(run: &Run) -> Vec<Outcome> {
                 .build(s.dataset(data))
         };
         let valid_sampler = DistributedSampler::for_group(&group).shuffle(false);
-        let dir = std::env::temp_dir().join(format!(
-            "burn-ddp-test-{}-{:?}-{rank}",
-            std::process::id(),
-            std::thread::current().id()
-        ));
+        let dir = super::thread_dir("test");
         let mut training = SupervisedTraining::new(
             &dir,
             loader(Points(DATA), &sampler),

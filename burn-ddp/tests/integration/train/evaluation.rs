@@ -61,11 +61,7 @@ fn validate(world: usize, batch: usize, valid_items: usize) -> (String, String) 
         let valid = DistributedSampler::for_group(&group)
             .shuffle(false)
             .pad(false);
-        let dir = std::env::temp_dir().join(format!(
-            "burn-ddp-eval-{}-{:?}",
-            std::process::id(),
-            std::thread::current().id()
-        ));
+        let dir = super::thread_dir("eval");
         let training = SupervisedTraining::new(
             &dir,
             DataLoaderBuilder::new(ToBatch)

@@ -96,7 +96,6 @@ pub(crate) fn train_rank(
     job: &Job,
     ballast: usize,
 ) -> Result<Vec<f32>, String> {
-    let rank = group.rank();
     let model = match ballast {
         0 => model,
         n => model.with_ballast(n, &flex()),
@@ -109,11 +108,7 @@ pub(crate) fn train_rank(
         count: job.count.clone(),
     };
     let valid_sampler = DistributedSampler::for_group(&group).shuffle(false);
-    let dir = std::env::temp_dir().join(format!(
-        "burn-ddp-job-{}-{:?}-{rank}",
-        std::process::id(),
-        std::thread::current().id()
-    ));
+    let dir = super::thread_dir("job");
     let training = SupervisedTraining::new(
         &dir,
         DataLoaderBuilder::new(ToBatch).batch_size(4).build(probe),

@@ -48,11 +48,7 @@ fn train(accumulation: Option<usize>) -> Vec<Vec<f32>> {
                 .batch_size(BATCH)
                 .build(shard)
         };
-        let dir = std::env::temp_dir().join(format!(
-            "burn-ddp-join-{}-{:?}",
-            std::process::id(),
-            std::thread::current().id()
-        ));
+        let dir = super::thread_dir("join");
         let mut training = SupervisedTraining::new(
             &dir,
             loader(Shard(SHARDS[rank].clone())),

@@ -39,6 +39,16 @@ fn small_buckets() -> BucketConfig {
     }
 }
 
+/// A directory for burn-train's files of one rank thread of one test (named by `what`, the
+/// process and the thread).
+fn thread_dir(what: &str) -> std::path::PathBuf {
+    std::env::temp_dir().join(format!(
+        "burn-ddp-{what}-{}-{:?}",
+        std::process::id(),
+        std::thread::current().id()
+    ))
+}
+
 /// ‖a − b‖ / ‖b‖.
 fn relative_error(a: &[f32], b: &[f32]) -> f64 {
     assert_eq!(a.len(), b.len());
