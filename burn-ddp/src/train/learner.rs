@@ -19,6 +19,7 @@ use burn::train::{
 use super::bucket::BucketConfig;
 use super::buffers::{BufferSync, Buffers};
 use super::checkpoint::CheckpointConfig;
+use super::compression::Compression;
 use super::gather::GlobalItem;
 use super::params::{broadcast_module, check_agreement, layout};
 use super::progress::ProgressOutput;
@@ -46,6 +47,7 @@ pub struct DdpLearner<M: LearnerModel> {
     progress: ProgressOutput,
     buffer_sync: BufferSync,
     uneven: bool,
+    compression: Compression,
 }
 
 impl<M: LearnerModel> DdpLearner<M> {
@@ -80,6 +82,7 @@ impl<M: LearnerModel> DdpLearner<M> {
             progress: ProgressOutput::default(),
             buffer_sync: BufferSync::default(),
             uneven: false,
+            compression: Compression::default(),
         }
     }
 
@@ -143,6 +146,14 @@ impl<M: LearnerModel> DdpLearner<M> {
         self
     }
 
+    /// The format gradient buckets travel in (default [`Compression::None`], `f32`):
+    /// [`Compression::Bf16`] or [`Compression::Fp16`] halve the bytes sent (PyTorch's
+    /// fp16/bf16 communication hooks). Gradients are averaged to the format's precision.
+    pub fn compression(mut self, compression: Compression) -> Self {
+        self.compression = compression;
+        self
+    }
+
     /// Bucket sizes (default 25 MiB, first bucket 1 MiB).
     pub fn buckets(mut self, config: BucketConfig) -> Self {
         self.buckets = config;
@@ -166,10 +177,12 @@ impl<M: LearnerModel> DdpLearner<M> {
         settings.push(("desync_check".into(), self.desync_check.to_string()));
         settings.push(("buffer_sync".into(), self.buffer_sync.to_string()));
         settings.push(("uneven_inputs".into(), self.uneven.to_string()));
+        settings.push(("compression".into(), self.compression.to_string()));
         check_agreement(&self.group, &layout(&model), &settings)?;
         let model = broadcast_module(model, &self.group)?;
         let reducer = GradientReducer::new(&model, self.group.clone(), self.buckets)?
-            .desync_check(self.desync_check);
+            .desync_check(self.desync_check)
+            .compression(self.compression);
         let buffers = Buffers::new(self.buffer_sync, self.group.clone(), &model);
         let strategy = DdpStrategy {
             buffers,

@@ -5,6 +5,7 @@
 mod bucket;
 mod buffers;
 mod checkpoint;
+mod compression;
 mod fingerprint;
 mod gather;
 mod learner;
@@ -19,6 +20,7 @@ mod strategy;
 pub use bucket::{Bucket, BucketConfig, BucketPlan};
 pub use buffers::BufferSync;
 pub use checkpoint::{CHECKPOINT_FILE, CheckpointConfig, Position, inspect_checkpoint};
+pub use compression::Compression;
 pub use gather::GlobalItem;
 pub use learner::{DdpLearner, DdpTraining};
 pub use params::{ParamInfo, broadcast_module, check_agreement, flat_parameters, layout};

@@ -9,6 +9,10 @@
 //! comes the bucket's [fingerprint](super::fingerprint). Buckets are summed, then the gradients
 //! scaled by `1 / world` on the device (flags and fingerprint stay exact sums).
 //!
+//! With [compression](super::compression) the buckets hold only gradients, in a 16-bit format,
+//! and the flags and fingerprints of all buckets travel in `f32` in one more, small all-reduce
+//! per step (16-bit formats cannot hold their sums exactly).
+//!
 //! The flags and fingerprints of all buckets of a step are read back to the host together,
 //! once the step's last bucket is reduced: one small device-to-host read per step, not one per
 //! bucket (each read waits for the device). It is done in the same step, not one step late,
@@ -29,6 +33,7 @@ use burn::optim::GradientsParams;
 use burn::tensor::{Device, Tensor, TensorData};
 
 use super::bucket::{BucketConfig, BucketPlan};
+use super::compression::Compression;
 use super::fingerprint::{FINGERPRINT_LEN, Fingerprint};
 use super::params::{ParamInfo, layout};
 use crate::ProcessGroup;
@@ -45,6 +50,8 @@ pub struct GradientReducer {
     steps: AtomicU64,
     /// Whether fingerprints are checked (on unless switched off to measure their cost).
     check: bool,
+    /// The format buckets travel in.
+    compression: Compression,
 }
 
 /// Takes every trainable parameter's gradient out of `grads`, flattened, in visit order.
@@ -110,6 +117,7 @@ impl GradientReducer {
             plan,
             steps: AtomicU64::new(0),
             check: true,
+            compression: Compression::None,
         })
     }
 
@@ -118,6 +126,23 @@ impl GradientReducer {
     pub fn desync_check(mut self, check: bool) -> Self {
         self.check = check;
         self
+    }
+
+    /// The format buckets travel in (default [`Compression::None`]; every rank must choose the
+    /// same).
+    pub fn compression(mut self, compression: Compression) -> Self {
+        self.compression = compression;
+        self
+    }
+
+    /// Bytes one reduction sends into the all-reduces (each rank's buffers: gradients, presence
+    /// flags and fingerprints), before the transport's own overhead.
+    pub fn bytes_per_step(&self) -> usize {
+        let fingerprint = if self.check { FINGERPRINT_LEN } else { 0 };
+        let per_value = self.compression.bytes_per_value();
+        (self.plan.buckets.iter())
+            .map(|b| b.len * per_value + (b.params.len() + fingerprint) * 4)
+            .sum()
     }
 
     /// The bucket plan.
@@ -169,11 +194,22 @@ impl GradientReducer {
 
         let at = (epoch, step);
         let n = self.plan.buckets.len();
+        let compressed = self.compression != Compression::None;
         let mut pending = Vec::with_capacity(n);
+        // Compressed: the tails of all buckets, for one f32 all-reduce after the buckets.
+        let mut tails = Vec::new();
         for b in 0..n {
-            let packed = self.pack(b, at, &mut flat, &device);
-            pending.push(self.group.all_reduce(packed, ReduceOp::Sum));
+            let (mut parts, tail) = self.pack(b, at, &mut flat, &device);
+            if compressed {
+                tails.extend(tail);
+            } else {
+                let n = tail.len();
+                parts.push(Tensor::from_data(TensorData::new(tail, [n]), &device));
+            }
+            let bucket = Tensor::cat(parts, 0);
+            pending.push(self.compression.start(&self.group, bucket, &device)?);
         }
+        let tails = compressed.then(|| self.group.all_reduce(tails, ReduceOp::Sum));
         let status = self.group.status();
         let mut summed = Vec::with_capacity(n);
         for (b, work) in pending.into_iter().enumerate() {
@@ -182,7 +218,11 @@ impl GradientReducer {
             status.activity(None);
             summed.push(done?);
         }
-        let reduced = self.unpack(at, summed)?;
+        let (averaged, tails) = match tails {
+            Some(work) => (summed, work.wait()?),
+            None => self.split_tails(summed)?,
+        };
+        let reduced = self.unpack(at, averaged, &tails)?;
         model.visit(&mut Give {
             grads: &mut grads,
             flat: reduced.into_iter(),
@@ -199,42 +239,40 @@ impl GradientReducer {
         }
     }
 
-    /// One contiguous tensor on the device: bucket `b`'s gradients (zeros where missing), one
-    /// presence flag per parameter, then the fingerprint.
+    /// Bucket `b`'s gradients on the device (zeros where missing), in plan order, and its tail:
+    /// one presence flag per parameter, then the fingerprint.
     fn pack(
         &self,
         b: usize,
         at: (usize, usize),
         flat: &mut [Option<Tensor<1>>],
         device: &Device,
-    ) -> Tensor<1> {
+    ) -> (Vec<Tensor<1>>, Vec<f32>) {
         let bucket = &self.plan.buckets[b];
-        let mut presence = Vec::with_capacity(bucket.params.len() + FINGERPRINT_LEN);
-        let mut parts: Vec<Tensor<1>> = bucket
+        let mut tail = Vec::with_capacity(bucket.params.len() + FINGERPRINT_LEN);
+        let parts: Vec<Tensor<1>> = bucket
             .params
             .iter()
             .map(|&p| match flat[p].take() {
                 Some(g) => {
-                    presence.push(1.0f32);
+                    tail.push(1.0f32);
                     g
                 }
                 None => {
-                    presence.push(0.0);
+                    tail.push(0.0);
                     Tensor::zeros([self.params[p].numel()], device)
                 }
             })
             .collect();
         if self.check {
-            presence.extend(self.fingerprint(b, at).values());
+            tail.extend(self.fingerprint(b, at).values());
         }
-        let n = presence.len();
-        parts.push(Tensor::from_data(TensorData::new(presence, [n]), device));
-        Tensor::cat(parts, 0)
+        (parts, tail)
     }
 
-    /// Reads every bucket's tail (presence flags and fingerprint) in one device-to-host copy,
-    /// checks the fingerprints, and hands out the averaged gradients some rank produced.
-    fn unpack(&self, at: (usize, usize), summed: Vec<Tensor<1>>) -> Result<Vec<Option<Tensor<1>>>> {
+    /// Uncompressed buckets: their averaged gradients, and every bucket's tail read in one
+    /// device-to-host copy.
+    fn split_tails(&self, summed: Vec<Tensor<1>>) -> Result<(Vec<Tensor<1>>, Vec<f32>)> {
         let world = self.group.world_size();
         let fingerprint = if self.check { FINGERPRINT_LEN } else { 0 };
         let tails: Vec<Tensor<1>> = summed
@@ -246,9 +284,25 @@ impl GradientReducer {
             })
             .collect();
         let tails = host_f32(Tensor::cat(tails, 0))?;
+        let grads = (summed.into_iter().zip(&self.plan.buckets))
+            .map(|(sum, bucket)| sum.narrow(0, 0, bucket.len).mul_scalar(1.0 / world as f32))
+            .collect();
+        Ok((grads, tails))
+    }
+
+    /// Checks the fingerprints in the summed `tails` and hands out the averaged gradients
+    /// (`grads`, one tensor per bucket) some rank produced.
+    fn unpack(
+        &self,
+        at: (usize, usize),
+        grads: Vec<Tensor<1>>,
+        tails: &[f32],
+    ) -> Result<Vec<Option<Tensor<1>>>> {
+        let world = self.group.world_size();
+        let fingerprint = if self.check { FINGERPRINT_LEN } else { 0 };
         let mut out = vec![None; self.params.len()];
         let mut offset = 0;
-        for (b, (sum, bucket)) in summed.into_iter().zip(&self.plan.buckets).enumerate() {
+        for (b, (grads, bucket)) in grads.into_iter().zip(&self.plan.buckets).enumerate() {
             let n = bucket.params.len();
             let tail = &tails[offset..offset + n + fingerprint];
             offset += n + fingerprint;
@@ -269,7 +323,6 @@ impl GradientReducer {
                     ranks: self.group.status().report(),
                 });
             }
-            let grads = sum.narrow(0, 0, bucket.len).mul_scalar(1.0 / world as f32);
             for (k, (&p, &offset)) in bucket.params.iter().zip(&bucket.offsets).enumerate() {
                 if tail[k] > 0.0 {
                     out[p] = Some(grads.clone().narrow(0, offset, self.params[p].numel()));

@@ -10,6 +10,8 @@ use std::time::Duration;
 
 use burn::tensor::{Device, DeviceKind};
 
+use burn_ddp::train::Compression;
+
 use crate::train::{equivalence, lockstep};
 
 /// The first Vulkan driver manifest (ICD) the Vulkan loader would consider: the files named by
@@ -99,6 +101,17 @@ fn on_wgpu(check: fn(&Device)) {
 #[test]
 fn wgpu_sync_batch_norm_matches_batch_norm_over_the_global_batch() {
     on_wgpu(|device| crate::syncbn::matches_reference(device, &[3, 5]));
+}
+
+#[test]
+fn wgpu_compressed_gradients_train_like_one_process() {
+    on_wgpu(|device| {
+        for compression in [Compression::Bf16, Compression::Fp16] {
+            let err = equivalence::compressed(device, compression);
+            eprintln!("wgpu, {compression}: relative error against one process {err:e}");
+            assert!(err <= 5e-3, "{compression}: {err:e}");
+        }
+    });
 }
 
 #[test]

@@ -12,8 +12,8 @@ use burn::train::SupervisedTraining;
 use burn::train::metric::LossMetric;
 use burn_ddp::ProcessGroup;
 use burn_ddp::train::{
-    BucketConfig, DdpLearner, DdpTraining, DistributedSampler, ProgressOutput, QuietRenderer,
-    flat_parameters,
+    BucketConfig, Compression, DdpLearner, DdpTraining, DistributedSampler, ProgressOutput,
+    QuietRenderer, flat_parameters,
 };
 
 use super::model::{DATA, Net, Points, ToBatch, flex, new_net};
@@ -34,6 +34,7 @@ struct Run<'a> {
     accumulation: Option<usize>,
     extra: bool,
     buckets: BucketConfig,
+    compression: Compression,
 }
 
 /// Trains on `world` thread ranks. Rank 0 starts from the seed-7 model; other ranks from
@@ -73,6 +74,7 @@ fn train(run: &Run) -> Vec<Outcome> {
         let learner = DdpLearner::with_group(group.clone(), model, SgdConfig::new().init(), 0.5)
             .sampler(&sampler)
             .buckets(run.buckets)
+            .compression(run.compression)
             .setting("batch", run.batch)
             .progress(ProgressOutput::Keep);
         let result = training.launch_ddp(learner).expect("training");
@@ -101,6 +103,7 @@ pub(crate) fn equivalence(device: &Device, world: usize, accumulation: Option<us
         accumulation,
         extra: false,
         buckets: small_buckets(),
+        compression: Compression::None,
     };
     let reference = train(&run(1, world * b));
     let ddp = train(&run(world, b));
@@ -129,6 +132,7 @@ pub(crate) fn accumulation(device: &Device) {
         accumulation,
         extra: false,
         buckets: small_buckets(),
+        compression: Compression::None,
     };
     let plain = train(&runs(None));
     let accumulated = train(&runs(Some(2)));
@@ -163,6 +167,7 @@ pub(crate) fn unused_parameter(device: &Device) {
         accumulation: None,
         extra: true,
         buckets: small_buckets(),
+        compression: Compression::None,
     });
     assert_identical(&params(&outcomes));
     assert!(outcomes[0].params.iter().all(|x| x.is_finite()));
@@ -191,4 +196,28 @@ fn accumulation_reduces_once_per_optimizer_step() {
 #[test]
 fn a_parameter_without_gradient_in_some_steps_neither_hangs_nor_diverges() {
     unused_parameter(&flex());
+}
+
+/// World 2 (batch 4 per rank) with gradients reduced in `compression`, against one process with
+/// batch 8: the relative error of the final parameters (every rank bit-identical, and trained).
+pub(crate) fn compressed(device: &Device, compression: Compression) -> f64 {
+    let run = |world, batch, compression| Run {
+        device,
+        world,
+        batch,
+        epochs: 2,
+        accumulation: None,
+        extra: false,
+        buckets: small_buckets(),
+        compression,
+    };
+    let reference = train(&run(1, 8, Compression::None));
+    let ddp = train(&run(2, 4, compression));
+    assert_identical(&params(&ddp));
+    let start = flat_parameters(&new_net(device, Some(7), false));
+    assert!(
+        relative_error(&ddp[0].params, &start) > 1e-3,
+        "training changed nothing"
+    );
+    relative_error(&ddp[0].params, &reference[0].params)
 }

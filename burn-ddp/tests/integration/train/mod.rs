@@ -9,10 +9,12 @@
 //! - `job`, `checkpoints`: the checkpointed job (also what rank processes run) and resuming it;
 //! - `buffers`: BatchNorm's running statistics kept identical (or not) across ranks;
 //! - `evaluation`: validation metrics that do not depend on the world size;
-//! - `join`: ranks with different numbers of batches training together.
+//! - `join`: ranks with different numbers of batches training together;
+//! - `compression`: gradients reduced in bf16 and fp16.
 
 mod buffers;
 mod checkpoints;
+mod compression;
 mod disagreement;
 pub(crate) mod equivalence;
 mod evaluation;
