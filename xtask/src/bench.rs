@@ -75,6 +75,8 @@ struct Timing {
     seconds: f64,
     steps: f64,
     samples: f64,
+    /// Bytes each rank sends into the gradient all-reduces per step.
+    bytes: f64,
 }
 
 impl Timing {
@@ -131,15 +133,39 @@ pub fn bench_train(task: BenchTrain) -> Result<()> {
             seconds: field("seconds")?,
             steps: field("steps")?,
             samples: field("samples")?,
+            bytes: field("bytes_per_step")?,
         })
     };
-    let (mut plain, mut ddp1, mut ddp2, mut unchecked) = (vec![], vec![], vec![], vec![]);
+    // (label, ranks, burn's own Learner, extra quickstart flags)
+    let runs: [(&str, usize, bool, &[&str]); 6] = [
+        ("burn Learner, 1 process", 1, true, &[]),
+        ("DdpLearner, world 1", 1, false, &[]),
+        ("DdpLearner, world 2", 2, false, &[]),
+        (
+            "DdpLearner, world 2, no desync check",
+            2,
+            false,
+            &["--no-desync-check"],
+        ),
+        (
+            "DdpLearner, world 2, bf16 gradients",
+            2,
+            false,
+            &["--compression", "bf16"],
+        ),
+        (
+            "DdpLearner, world 2, fp16 gradients",
+            2,
+            false,
+            &["--compression", "fp16"],
+        ),
+    ];
+    let mut timings: Vec<Vec<Timing>> = runs.iter().map(|_| Vec::new()).collect();
     for r in 0..repeats {
         eprintln!("bench-train: round {} of {repeats}", r + 1);
-        plain.push(run(1, true, &[])?);
-        ddp1.push(run(1, false, &[])?);
-        ddp2.push(run(2, false, &[])?);
-        unchecked.push(run(2, false, &["--no-desync-check"])?);
+        for ((_, nproc, plain, extra), t) in runs.iter().zip(&mut timings) {
+            t.push(run(*nproc, *plain, extra)?);
+        }
     }
     let _ = std::fs::remove_dir_all(&scratch);
     let step = |t: &[Timing]| median(t.iter().map(Timing::per_step_ms).collect());
@@ -147,45 +173,41 @@ pub fn bench_train(task: BenchTrain) -> Result<()> {
     println!(
         "bench-train: quickstart MLP, {epochs} epochs, batch {batch} per rank, median of {repeats}"
     );
-    println!("{:<34} {:>12} {:>12}", "run", "ms/step", "samples/s");
     println!(
-        "{:<34} {:>12.3} {:>12.0}",
-        "burn Learner, 1 process",
-        step(&plain),
-        rate(&plain)
+        "{:<38} {:>10} {:>12} {:>12}",
+        "run", "ms/step", "samples/s", "bytes/step"
     );
-    println!(
-        "{:<34} {:>12.3} {:>12.0}",
-        "DdpLearner, world 1",
-        step(&ddp1),
-        rate(&ddp1)
-    );
-    println!(
-        "{:<34} {:>12.3} {:>12.0}",
-        "DdpLearner, world 2",
-        step(&ddp2),
-        rate(&ddp2)
-    );
-    println!(
-        "{:<34} {:>12.3} {:>12.0}",
-        "DdpLearner, world 2, no desync check",
-        step(&unchecked),
-        rate(&unchecked)
-    );
+    for ((label, ..), t) in runs.iter().zip(&timings) {
+        let bytes = t.first().map_or(0.0, |t| t.bytes);
+        println!(
+            "{label:<38} {:>10.3} {:>12.0} {:>12.0}",
+            step(t),
+            rate(t),
+            bytes
+        );
+    }
+    let [plain, ddp1, ddp2, unchecked, bf16, _fp16] = &timings[..] else {
+        unreachable!("one timing list per run")
+    };
     println!(
         "cost of the desync check at world 2: {:+.1}% of step time (ratio {:.3})",
-        (step(&ddp2) / step(&unchecked) - 1.0) * 100.0,
-        step(&ddp2) / step(&unchecked)
+        (step(ddp2) / step(unchecked) - 1.0) * 100.0,
+        step(ddp2) / step(unchecked)
     );
     println!(
         "overhead of DdpLearner at world 1: {:+.1}% (ratio {:.3})",
-        (step(&ddp1) / step(&plain) - 1.0) * 100.0,
-        step(&ddp1) / step(&plain)
+        (step(ddp1) / step(plain) - 1.0) * 100.0,
+        step(ddp1) / step(plain)
     );
     println!(
         "scaling world 2 / world 1: {:.2}x samples/s ({:.0}% efficiency)",
-        rate(&ddp2) / rate(&ddp1),
-        rate(&ddp2) / rate(&ddp1) / 2.0 * 100.0
+        rate(ddp2) / rate(ddp1),
+        rate(ddp2) / rate(ddp1) / 2.0 * 100.0
+    );
+    println!(
+        "bf16 gradients at world 2: step time ratio {:.3}, bytes per step ratio {:.3}",
+        step(bf16) / step(ddp2),
+        bf16[0].bytes / ddp2[0].bytes.max(1.0)
     );
     Ok(())
 }

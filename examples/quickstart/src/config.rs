@@ -52,6 +52,28 @@ impl From<BufferSyncFlag> for burn_ddp::train::BufferSync {
     }
 }
 
+/// The format gradients travel in: burn-ddp's `Compression`, as a flag.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
+pub enum CompressionFlag {
+    /// f32.
+    #[default]
+    None,
+    /// bfloat16.
+    Bf16,
+    /// IEEE half precision.
+    Fp16,
+}
+
+impl From<CompressionFlag> for burn_ddp::train::Compression {
+    fn from(flag: CompressionFlag) -> Self {
+        match flag {
+            CompressionFlag::None => Self::None,
+            CompressionFlag::Bf16 => Self::Bf16,
+            CompressionFlag::Fp16 => Self::Fp16,
+        }
+    }
+}
+
 /// Options of a quickstart run (the binaries' flags).
 #[derive(Debug, Clone)]
 pub struct Config {
@@ -59,6 +81,8 @@ pub struct Config {
     pub model: ModelKind,
     /// How buffers are synchronised across ranks.
     pub buffer_sync: BufferSyncFlag,
+    /// The format gradients travel in.
+    pub compression: CompressionFlag,
     /// Epochs.
     pub epochs: usize,
     /// Batch size per rank.
@@ -100,6 +124,7 @@ impl Default for Config {
         Config {
             model: ModelKind::Mlp,
             buffer_sync: BufferSyncFlag::Broadcast,
+            compression: CompressionFlag::None,
             epochs: 10,
             batch_size: 32,
             lr: 0.001,
@@ -136,6 +161,9 @@ pub struct Flags {
     /// not synchronised [default: broadcast]
     #[arg(long, value_name = "MODE")]
     pub buffer_sync: Option<BufferSyncFlag>,
+    /// The format gradients travel in (halves the bytes sent) [default: none]
+    #[arg(long, value_name = "FORMAT")]
+    pub compression: Option<CompressionFlag>,
     /// Epochs
     #[arg(long, value_name = "N")]
     pub epochs: Option<usize>,
@@ -235,6 +263,7 @@ impl Config {
         let Flags {
             model,
             buffer_sync,
+            compression,
             epochs,
             batch_size,
             lr,
@@ -254,6 +283,7 @@ impl Config {
         } = flags;
         self.model = model.unwrap_or(self.model);
         self.buffer_sync = buffer_sync.unwrap_or(self.buffer_sync);
+        self.compression = compression.unwrap_or(self.compression);
         self.epochs = epochs.unwrap_or(self.epochs);
         self.batch_size = batch_size.unwrap_or(self.batch_size);
         self.lr = lr.unwrap_or(self.lr);

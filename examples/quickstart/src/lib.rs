@@ -15,7 +15,7 @@ mod data;
 mod model;
 mod training;
 
-pub use config::{BufferSyncFlag, Config, Flags, ModelKind};
+pub use config::{BufferSyncFlag, CompressionFlag, Config, Flags, ModelKind};
 pub use data::{
     CLASSES, DIGIT_PIXELS, Data, Digits, FEATURES, MyBatch, MyBatcher, MyDataset, MyItem,
 };

@@ -12,7 +12,8 @@ use burn::train::metric::{AccuracyMetric, LossMetric};
 use burn::train::{Learner, SupervisedTraining};
 use burn_ddp::ProcessGroup;
 use burn_ddp::train::{
-    CheckpointConfig, DdpLearner, DdpTraining, DistributedSampler, ProgressOutput, QuietRenderer,
+    CheckpointConfig, DdpLearner, DdpTraining, DistributedSampler, GradientReducer, ProgressOutput,
+    QuietRenderer,
 };
 
 use crate::config::Config;
@@ -32,6 +33,8 @@ pub struct Report {
     pub steps: usize,
     /// Training samples processed by all ranks together.
     pub samples: usize,
+    /// Bytes each rank sends into the gradient all-reduces per optimizer step (0 alone).
+    pub bytes_per_step: usize,
 }
 
 impl Report {
@@ -64,10 +67,11 @@ impl Report {
         }
         if let Some(path) = &cfg.report {
             let line = format!(
-                "steps={} seconds={} samples={} accuracy={} digest={:016x}\n",
+                "steps={} seconds={} samples={} bytes_per_step={} accuracy={} digest={:016x}\n",
                 self.steps,
                 self.train_seconds,
                 self.samples,
+                self.bytes_per_step,
                 self.valid_accuracy,
                 self.digest()
             );
@@ -152,6 +156,19 @@ pub fn run(group: Arc<ProcessGroup>, cfg: &Config) -> Result<Report> {
     {
         training = training.renderer(renderer);
     }
+    // What the learner's reducer will send per step (planning only, nothing is sent here).
+    let bytes_per_step = if group.world_size() > 1 && !cfg.plain {
+        GradientReducer::new(
+            &model.clone().fork(&device),
+            group.clone(),
+            Default::default(),
+        )?
+        .desync_check(!cfg.no_desync_check)
+        .compression(cfg.compression.into())
+        .bytes_per_step()
+    } else {
+        0
+    };
     let start = std::time::Instant::now();
     let result = if cfg.plain {
         if group.world_size() != 1 {
@@ -170,6 +187,7 @@ pub fn run(group: Arc<ProcessGroup>, cfg: &Config) -> Result<Report> {
                 .setting("model", cfg.model)
                 .desync_check(!cfg.no_desync_check)
                 .buffer_sync(cfg.buffer_sync.into())
+                .compression(cfg.compression.into())
                 .progress(progress);
         if let Some(dir) = &cfg.checkpoint_dir {
             learner = learner.checkpoints(CheckpointConfig::new(dir).every(cfg.checkpoint_every));
@@ -198,5 +216,6 @@ pub fn run(group: Arc<ProcessGroup>, cfg: &Config) -> Result<Report> {
         train_seconds,
         steps,
         samples: steps * cfg.batch_size * group.world_size(),
+        bytes_per_step,
     })
 }
