@@ -10,6 +10,7 @@
 use burn::tensor::{Device, Int, Tensor, TensorData};
 use burn::train::{ClassificationOutput, RegressionOutput};
 
+use super::telemetry::{JobStats, STATS_LEN, StepStats};
 use crate::ProcessGroup;
 use crate::collectives::Work;
 use crate::error::{DdpError, Result};
@@ -171,42 +172,76 @@ impl GlobalItem for RegressionOutput {
     }
 }
 
-/// An output on its way to rank 0: gathered in the background while the next step computes.
+/// An output on its way to rank 0, with the step's [telemetry](super::telemetry): gathered in
+/// the background while the next step computes.
 pub(crate) enum PendingItem<T> {
-    /// A world of one: the output itself (if the step had a batch).
-    Local(Option<T>),
-    /// The all-gather of every rank's encoded output (empty for a rank without a batch).
+    /// A world of one: the output itself (if the step had a batch) and the step's figures.
+    Local(Option<T>, Option<StepStats>),
+    /// The all-gather of every rank's encoded output and figures.
     Gathering(Work<Vec<Vec<u8>>>),
 }
 
+/// First byte of a rank's part: which of the figures and the output follow.
+const HAS_ITEM: u8 = 1;
+const HAS_STATS: u8 = 2;
+
 impl<T: GlobalItem> PendingItem<T> {
-    /// Starts combining `item` (`None`: this rank had no batch in this step) across the ranks
-    /// of `group`.
-    pub(crate) fn start(item: Option<T>, group: &ProcessGroup) -> Result<Self> {
+    /// Starts combining `item` (`None`: this rank had no batch in this step) and the step's
+    /// figures (`None`: no optimizer step) across the ranks of `group`.
+    pub(crate) fn start(
+        item: Option<T>,
+        stats: Option<StepStats>,
+        group: &ProcessGroup,
+    ) -> Result<Self> {
         if group.world_size() == 1 {
-            return Ok(PendingItem::Local(item));
+            return Ok(PendingItem::Local(item, stats));
         }
-        let bytes = match item {
-            Some(item) => item.encode()?,
-            None => Vec::new(),
-        };
+        let flags = u8::from(item.is_some()) * HAS_ITEM + u8::from(stats.is_some()) * HAS_STATS;
+        let mut bytes = vec![flags];
+        if let Some(stats) = stats {
+            bytes.extend(stats.encode());
+        }
+        if let Some(item) = item {
+            bytes.extend(item.encode()?);
+        }
         Ok(PendingItem::Gathering(group.all_gather(bytes)))
     }
 
-    /// Waits for the gather; rank 0 gets the combined output (`None` if no rank had a batch),
-    /// the others `None`.
-    pub(crate) fn finish(self, rank: usize, device: &Device) -> Result<Option<T>> {
-        match self {
-            PendingItem::Local(item) => Ok(item),
-            PendingItem::Gathering(work) => {
-                let parts = work.wait()?;
-                let parts: Vec<Vec<u8>> = parts.into_iter().filter(|p| !p.is_empty()).collect();
-                if rank == 0 && !parts.is_empty() {
-                    T::decode_all(&parts, device).map(Some)
-                } else {
-                    Ok(None)
-                }
+    /// Waits for the gather; rank 0 gets the combined output (`None` if no rank had a batch)
+    /// and the job's figures of the step, the others nothing.
+    pub(crate) fn finish(
+        self,
+        rank: usize,
+        device: &Device,
+    ) -> Result<(Option<T>, Option<JobStats>)> {
+        let parts = match self {
+            PendingItem::Local(item, stats) => return Ok((item, JobStats::combine(&[stats]))),
+            PendingItem::Gathering(work) => work.wait()?,
+        };
+        if rank != 0 {
+            return Ok((None, None));
+        }
+        let mut items = Vec::new();
+        let mut stats = Vec::with_capacity(parts.len());
+        for (r, part) in parts.into_iter().enumerate() {
+            let malformed = || DdpError::Tensor(format!("metrics item from rank {r}: malformed"));
+            let (&flags, mut rest) = part.split_first().ok_or_else(malformed)?;
+            stats.push(if flags & HAS_STATS != 0 {
+                let s = StepStats::decode(rest).ok_or_else(malformed)?;
+                rest = &rest[STATS_LEN..];
+                Some(s)
+            } else {
+                None
+            });
+            if flags & HAS_ITEM != 0 {
+                items.push(rest.to_vec());
             }
         }
+        let item = if items.is_empty() {
+            None
+        } else {
+            Some(T::decode_all(&items, device)?)
+        };
+        Ok((item, JobStats::combine(&stats)))
     }
 }

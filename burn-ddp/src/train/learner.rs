@@ -7,6 +7,7 @@
 //! ```
 
 use std::fmt::Display;
+use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 
 use burn::optim::ModuleOptimizer;
@@ -27,7 +28,8 @@ use super::quiet::QuietRenderer;
 use super::reducer::GradientReducer;
 use super::sampler::DistributedSampler;
 use super::strategy::DdpStrategy;
-use crate::error::Result;
+use super::telemetry::trace::Trace;
+use crate::error::{DdpError, Result};
 use crate::signals::StopSignals;
 use crate::status::Phase;
 use crate::{ProcessGroup, init_process_group};
@@ -48,6 +50,7 @@ pub struct DdpLearner<M: LearnerModel> {
     buffer_sync: BufferSync,
     uneven: bool,
     compression: Compression,
+    profile: Option<PathBuf>,
 }
 
 impl<M: LearnerModel> DdpLearner<M> {
@@ -83,6 +86,7 @@ impl<M: LearnerModel> DdpLearner<M> {
             buffer_sync: BufferSync::default(),
             uneven: false,
             compression: Compression::default(),
+            profile: None,
         }
     }
 
@@ -154,6 +158,14 @@ impl<M: LearnerModel> DdpLearner<M> {
         self
     }
 
+    /// Every rank writes a Chrome trace of its training steps to `dir/rank-<r>.json` (open it
+    /// in Perfetto or chrome://tracing): the forward and backward pass, each bucket's pack,
+    /// all-reduce and the unpack, the optimizer step. Written at each epoch's end.
+    pub fn profile(mut self, dir: impl Into<PathBuf>) -> Self {
+        self.profile = Some(dir.into());
+        self
+    }
+
     /// Bucket sizes (default 25 MiB, first bucket 1 MiB).
     pub fn buckets(mut self, config: BucketConfig) -> Self {
         self.buckets = config;
@@ -184,9 +196,19 @@ impl<M: LearnerModel> DdpLearner<M> {
             .desync_check(self.desync_check)
             .compression(self.compression);
         let buffers = Buffers::new(self.buffer_sync, self.group.clone(), &model);
+        let trace = match &self.profile {
+            Some(dir) => Some(Arc::new(Trace::new(dir, self.group.rank()).map_err(
+                |e| {
+                    let what = format!("creating the trace directory {}", dir.display());
+                    DdpError::io(what, e)
+                },
+            )?)),
+            None => None,
+        };
         let strategy = DdpStrategy {
             buffers,
             uneven: self.uneven,
+            trace,
             signals: StopSignals::arm(self.group.rank(), self.group.options().timeout)?,
             group: self.group,
             device,

@@ -16,6 +16,7 @@ mod reducer;
 mod sampler;
 mod stop;
 mod strategy;
+mod telemetry;
 
 pub use bucket::{Bucket, BucketConfig, BucketPlan};
 pub use buffers::BufferSync;
@@ -28,3 +29,4 @@ pub use progress::{LineRenderer, ProgressOutput};
 pub use quiet::QuietRenderer;
 pub use reducer::GradientReducer;
 pub use sampler::{DistributedDataset, DistributedSampler};
+pub use telemetry::{DdpMetric, JobStats, StepInput, StepStats};

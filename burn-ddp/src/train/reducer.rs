@@ -27,6 +27,7 @@
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Instant;
 
 use burn::module::{Module, ModuleVisitor, Param};
 use burn::optim::GradientsParams;
@@ -36,6 +37,8 @@ use super::bucket::{BucketConfig, BucketPlan};
 use super::compression::Compression;
 use super::fingerprint::{FINGERPRINT_LEN, Fingerprint};
 use super::params::{ParamInfo, layout};
+use super::telemetry::StepStats;
+use super::telemetry::trace::{COMMUNICATION, COMPUTE, Trace};
 use crate::ProcessGroup;
 use crate::collectives::ReduceOp;
 use crate::error::{DdpError, Result};
@@ -167,12 +170,26 @@ impl GradientReducer {
     pub fn reduce_at<M: Module>(
         &self,
         model: &M,
-        mut grads: GradientsParams,
+        grads: GradientsParams,
         epoch: usize,
         step: usize,
     ) -> Result<GradientsParams> {
+        self.reduce_traced(model, grads, (epoch, step), None)
+            .map(|(grads, _)| grads)
+    }
+
+    /// [`GradientReducer::reduce_at`] at `(epoch, step)`, measured: the step's packing and
+    /// communication figures (its `compute` left 0), and each bucket's spans in `trace`.
+    pub(crate) fn reduce_traced<M: Module>(
+        &self,
+        model: &M,
+        mut grads: GradientsParams,
+        at: (usize, usize),
+        trace: Option<&Trace>,
+    ) -> Result<(GradientsParams, StepStats)> {
+        let mut stats = StepStats::default();
         if self.group.world_size() == 1 {
-            return Ok(grads);
+            return Ok((grads, stats));
         }
         let mut take = Take {
             grads: &mut grads,
@@ -189,16 +206,17 @@ impl GradientReducer {
             )));
         }
         let Some(device) = device else {
-            return Ok(grads);
+            return Ok((grads, stats));
         };
 
-        let at = (epoch, step);
         let n = self.plan.buckets.len();
         let compressed = self.compression != Compression::None;
         let mut pending = Vec::with_capacity(n);
         // Compressed: the tails of all buckets, for one f32 all-reduce after the buckets.
         let mut tails = Vec::new();
+        let mut first_sent = None;
         for b in 0..n {
+            let packing = Instant::now();
             let (mut parts, tail) = self.pack(b, at, &mut flat, &device);
             if compressed {
                 tails.extend(tail);
@@ -207,17 +225,36 @@ impl GradientReducer {
                 parts.push(Tensor::from_data(TensorData::new(tail, [n]), &device));
             }
             let bucket = Tensor::cat(parts, 0);
-            pending.push(self.compression.start(&self.group, bucket, &device)?);
+            let sent = Instant::now();
+            stats.pack += (sent - packing).as_secs_f64();
+            first_sent.get_or_insert(sent);
+            if let Some(trace) = trace {
+                trace.span(format!("pack bucket {}", b + 1), COMPUTE, packing, sent);
+            }
+            let work = self.compression.start(&self.group, bucket, &device)?;
+            pending.push((work, sent));
         }
         let tails = compressed.then(|| self.group.all_reduce(tails, ReduceOp::Sum));
         let status = self.group.status();
         let mut summed = Vec::with_capacity(n);
-        for (b, work) in pending.into_iter().enumerate() {
+        for (b, (work, sent)) in pending.into_iter().enumerate() {
             status.activity(Some(format!("waits for bucket {} of {n}", b + 1)));
+            let waiting = Instant::now();
             let done = work.wait();
+            let received = Instant::now();
             status.activity(None);
+            stats.exposed += (received - waiting).as_secs_f64();
+            if let Some(trace) = trace {
+                trace.span(
+                    format!("all-reduce bucket {}", b + 1),
+                    COMMUNICATION,
+                    sent,
+                    received,
+                );
+            }
             summed.push(done?);
         }
+        let unpacking = Instant::now();
         let (averaged, tails) = match tails {
             Some(work) => (summed, work.wait()?),
             None => self.split_tails(summed)?,
@@ -227,7 +264,12 @@ impl GradientReducer {
             grads: &mut grads,
             flat: reduced.into_iter(),
         });
-        Ok(grads)
+        if let Some(trace) = trace {
+            trace.span("unpack", COMPUTE, unpacking, Instant::now());
+        }
+        stats.communication = first_sent.map_or(0.0, |t| (unpacking - t).as_secs_f64());
+        stats.bytes = self.bytes_per_step() as f64;
+        Ok((grads, stats))
     }
 
     fn fingerprint(&self, b: usize, (epoch, step): (usize, usize)) -> Fingerprint {

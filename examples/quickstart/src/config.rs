@@ -83,6 +83,8 @@ pub struct Config {
     pub buffer_sync: BufferSyncFlag,
     /// The format gradients travel in.
     pub compression: CompressionFlag,
+    /// Every rank writes a Chrome trace of its steps into this directory.
+    pub profile: Option<PathBuf>,
     /// Epochs.
     pub epochs: usize,
     /// Batch size per rank.
@@ -125,6 +127,7 @@ impl Default for Config {
             model: ModelKind::Mlp,
             buffer_sync: BufferSyncFlag::Broadcast,
             compression: CompressionFlag::None,
+            profile: None,
             epochs: 10,
             batch_size: 32,
             lr: 0.001,
@@ -164,6 +167,10 @@ pub struct Flags {
     /// The format gradients travel in (halves the bytes sent) [default: none]
     #[arg(long, value_name = "FORMAT")]
     pub compression: Option<CompressionFlag>,
+    /// Every rank writes a Chrome trace of its training steps there (rank-<r>.json; open it in
+    /// Perfetto or chrome://tracing)
+    #[arg(long, value_name = "DIR")]
+    pub profile: Option<PathBuf>,
     /// Epochs
     #[arg(long, value_name = "N")]
     pub epochs: Option<usize>,
@@ -264,6 +271,7 @@ impl Config {
             model,
             buffer_sync,
             compression,
+            profile,
             epochs,
             batch_size,
             lr,
@@ -284,6 +292,7 @@ impl Config {
         self.model = model.unwrap_or(self.model);
         self.buffer_sync = buffer_sync.unwrap_or(self.buffer_sync);
         self.compression = compression.unwrap_or(self.compression);
+        self.profile = profile.or(self.profile);
         self.epochs = epochs.unwrap_or(self.epochs);
         self.batch_size = batch_size.unwrap_or(self.batch_size);
         self.lr = lr.unwrap_or(self.lr);

@@ -12,8 +12,8 @@ use burn::train::metric::{AccuracyMetric, LossMetric};
 use burn::train::{Learner, SupervisedTraining};
 use burn_ddp::ProcessGroup;
 use burn_ddp::train::{
-    CheckpointConfig, DdpLearner, DdpTraining, DistributedSampler, GradientReducer, ProgressOutput,
-    QuietRenderer,
+    CheckpointConfig, DdpLearner, DdpMetric, DdpTraining, DistributedSampler, GradientReducer,
+    ProgressOutput, QuietRenderer,
 };
 
 use crate::config::Config;
@@ -176,6 +176,12 @@ pub fn run(group: Arc<ProcessGroup>, cfg: &Config) -> Result<Report> {
         }
         training.launch(Learner::new(model, SgdConfig::new().init(), cfg.lr))
     } else {
+        // Where each step's time goes, as metrics on rank 0.
+        let training = training
+            .metric_train_numeric(DdpMetric::communication())
+            .metric_train_numeric(DdpMetric::exposed_communication())
+            .metric_train_numeric(DdpMetric::busbw())
+            .metric_train_numeric(DdpMetric::straggler_lag());
         let mut learner =
             DdpLearner::with_group(group.clone(), model, SgdConfig::new().init(), cfg.lr)
                 .sampler(&sampler)
@@ -189,6 +195,9 @@ pub fn run(group: Arc<ProcessGroup>, cfg: &Config) -> Result<Report> {
                 .buffer_sync(cfg.buffer_sync.into())
                 .compression(cfg.compression.into())
                 .progress(progress);
+        if let Some(dir) = &cfg.profile {
+            learner = learner.profile(dir);
+        }
         if let Some(dir) = &cfg.checkpoint_dir {
             learner = learner.checkpoints(CheckpointConfig::new(dir).every(cfg.checkpoint_every));
         }

@@ -4,6 +4,7 @@
 //! metrics (gathered from all ranks), writes checkpoints and decides early stopping.
 
 use std::sync::{Arc, Mutex};
+use std::time::Instant;
 
 use burn::data::dataloader::Progress;
 use burn::optim::GradientsAccumulator;
@@ -26,6 +27,7 @@ use super::gather::GlobalItem;
 use super::reducer::GradientReducer;
 use super::sampler::DistributedSampler;
 use super::stop::Stop;
+use super::telemetry::trace::{COMPUTE, Trace};
 use crate::ProcessGroup;
 use crate::error::{DdpError, Result};
 use crate::signals::StopSignals;
@@ -44,11 +46,23 @@ pub(crate) struct DdpStrategy {
     pub buffers: Buffers,
     /// Whether ranks may hold different numbers of training batches (join).
     pub uneven: bool,
+    /// This rank's Chrome trace, if profiling.
+    pub trace: Option<Arc<Trace>>,
 }
 
 impl DdpStrategy {
     fn is_main(&self) -> bool {
         self.group.rank() == 0
+    }
+
+    /// Writes this rank's trace so far, if profiling (a failure to write is logged: it does not
+    /// stop training).
+    fn write_trace(&self) {
+        if let Some(trace) = &self.trace
+            && let Err(e) = trace.write()
+        {
+            log::warn!("rank {}: writing the trace: {e}", self.group.rank());
+        }
     }
 
     /// Records the first failure and stops the loop. A stop by signal is not a failure: it is
@@ -89,12 +103,21 @@ impl DdpStrategy {
         // forward pass (PyTorch's timing), so their broadcast travels during the optimizer
         // step and the loading of the next batch.
         let mut buffers = None;
+        // Forward and backward time since the last optimizer step (accumulated micro-steps).
+        let mut compute = 0.0;
+        let trace = self.trace.as_deref();
         let mut step = |batch: Batch<_>, progress: &Progress, iteration: usize| {
             self.buffers.finish_step(buffers.take(), &learner.model())?;
             let end = matches!(batch, Batch::End);
             let (item, grads) = match batch {
                 Batch::Item(item) => {
+                    let started = Instant::now();
                     let out = learner.train_step(item);
+                    let done = Instant::now();
+                    compute += (done - started).as_secs_f64();
+                    if let Some(trace) = trace {
+                        trace.span("forward+backward", COMPUTE, started, done);
+                    }
                     (Some(out.item), Some(out.grads))
                 }
                 // A rank without a batch reduces zeros, and steps with the others.
@@ -123,14 +146,21 @@ impl DdpStrategy {
                 None => Some(grads.unwrap_or_default()),
             };
             let boundary = grads.is_some();
+            let mut step_stats = None;
             if let Some(grads) = grads {
                 let model = learner.model();
-                let grads = self
-                    .reducer
-                    .reduce_at(&model, grads, from.epoch, iteration)?;
+                let (grads, mut stats) =
+                    self.reducer
+                        .reduce_traced(&model, grads, (from.epoch, iteration), trace)?;
+                stats.compute = std::mem::take(&mut compute);
+                step_stats = Some(stats);
                 buffers = self.buffers.start_step(&model);
+                let stepping = Instant::now();
                 learner.lr_step();
                 learner.optimizer_step(grads);
+                if let Some(trace) = trace {
+                    trace.span("optimizer step", COMPUTE, stepping, Instant::now());
+                }
                 // Optimizer steps of the epoch so far; the epoch's end has its own checkpoint.
                 let steps = iteration / accumulation.unwrap_or(1);
                 if every.is_some_and(|n| steps.is_multiple_of(n)) && !progress.is_completed() {
@@ -145,7 +175,7 @@ impl DdpStrategy {
                     self.group.status().step(iteration);
                 }
             }
-            Ok((item, Some(learner.lr_current()), boundary))
+            Ok((item, Some(learner.lr_current()), boundary, step_stats))
         };
         let process = |event| processor.process_train(event);
         let end = self.run_split(
@@ -182,7 +212,7 @@ impl DdpStrategy {
                 Batch::Item(item) => Some(InferenceStep::step(&model, item)),
                 Batch::Idle | Batch::End => None,
             };
-            Ok((output, None, true))
+            Ok((output, None, true, None))
         };
         let process = |event| processor.process_valid(event);
         self.run_split(
@@ -285,6 +315,7 @@ impl DdpStrategy {
             self.buffers.settle(&model)?;
             self.buffers
                 .check_replicas(&model, &format!("in training epoch {epoch}"))?;
+            self.write_trace();
             status.enter(Phase::Validation, Some(epoch));
             let valid_items = self.split_items(&valid)?;
             if self.is_main() {
@@ -439,6 +470,7 @@ impl DdpStrategy {
         if let Err(e) = outcome {
             self.fail(&loop_.interrupter, e);
         }
+        self.write_trace();
         (learner.model(), loop_.processor)
     }
 }

@@ -14,6 +14,7 @@ use crate::collectives::ReduceOp;
 use crate::error::{DdpError, Result};
 use crate::train::gather::{GlobalItem, PendingItem};
 use crate::train::stop::{StepVote, Stop, Voters};
+use crate::train::telemetry::{self, StepStats};
 
 /// A step's output on its way to rank 0's event processor.
 pub(super) struct Report<T> {
@@ -33,9 +34,15 @@ pub(super) struct SplitEnd {
     pub progress: Option<Progress>,
 }
 
-/// What one step produced: its output (`None` without a batch), the learning rate used, and
-/// whether the ranks may stop after it (false inside a gradient accumulation).
-pub(super) type StepOutput<T> = (Option<T>, Option<ModuleLearningRate>, bool);
+/// What one step produced: its output (`None` without a batch), the learning rate used,
+/// whether the ranks may stop after it (false inside a gradient accumulation), and its
+/// telemetry (an optimizer step's).
+pub(super) type StepOutput<T> = (
+    Option<T>,
+    Option<ModuleLearningRate>,
+    bool,
+    Option<StepStats>,
+);
 
 /// What a step of a split works on.
 pub(super) enum Batch<I> {
@@ -181,9 +188,9 @@ impl DdpStrategy {
             };
             iteration += 1;
             status.step(iteration);
-            let (output, lr, boundary) = step(batch, &progress, iteration)?;
+            let (output, lr, boundary, stats) = step(batch, &progress, iteration)?;
             let report = Report {
-                item: PendingItem::start(output, &self.group)?,
+                item: PendingItem::start(output, stats, &self.group)?,
                 progress: progress.clone(),
                 iteration,
                 lr,
@@ -220,7 +227,12 @@ impl DdpStrategy {
         process: &mut impl FnMut(LearnerEvent<T>) -> std::result::Result<(), EventProcessorError>,
         interrupter: &Interrupter,
     ) -> Result<()> {
-        if let Some(item) = report.item.finish(self.group.rank(), device)? {
+        let (item, stats) = report.item.finish(self.group.rank(), device)?;
+        if let Some(item) = item {
+            // The telemetry metrics find the step's figures by its iteration.
+            if let Some(stats) = stats {
+                telemetry::record(report.iteration, stats);
+            }
             let event = TrainingItem::new(item, report.progress, Some(report.iteration), report.lr);
             interrupter.fail_on_error(process(LearnerEvent::ProcessedItem(event)));
         }

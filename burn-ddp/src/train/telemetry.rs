@@ -1,0 +1,297 @@
+//! Telemetry: where a training step's time goes. Each rank measures its optimizer steps (the
+//! forward and backward pass, packing the buckets, their communication and how much of it the
+//! step waited for, the bytes sent); the figures travel to rank 0 with the step's metrics item
+//! (no collective of their own), where they become burn-train metrics ([`DdpMetric`]: the TUI
+//! and the progress lines show them), with the slowest rank and its lag behind the fastest.
+//! Metric names avoid `/`: burn-train names its log files after them.
+//! [`trace`] writes each rank's steps as a Chrome trace (`DdpLearner::profile`).
+
+use std::collections::VecDeque;
+use std::sync::{Arc, Mutex};
+
+use burn::tensor::TensorReadError;
+use burn::train::metric::state::{FormatOptions, NumericMetricState};
+use burn::train::metric::{
+    Adaptor, Metric, MetricAttributes, MetricMetadata, MetricName, Numeric, NumericAttributes,
+    NumericEntry, SerializedEntry,
+};
+use burn::train::{ClassificationOutput, RegressionOutput};
+
+pub(crate) mod trace;
+
+/// One rank's figures for one optimizer step, in seconds and bytes.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct StepStats {
+    /// The forward and backward pass (the model's train step).
+    pub compute: f64,
+    /// Packing the gradient buckets.
+    pub pack: f64,
+    /// From the first bucket's all-reduce start to the last one's end.
+    pub communication: f64,
+    /// The part of `communication` the step waited for (not hidden behind packing).
+    pub exposed: f64,
+    /// Bytes sent into the all-reduces.
+    pub bytes: f64,
+}
+
+/// Bytes of an encoded [`StepStats`].
+pub(crate) const STATS_LEN: usize = 5 * 8;
+
+impl StepStats {
+    pub(crate) fn encode(&self) -> [u8; STATS_LEN] {
+        let mut out = [0u8; STATS_LEN];
+        let fields = [
+            self.compute,
+            self.pack,
+            self.communication,
+            self.exposed,
+            self.bytes,
+        ];
+        for (chunk, v) in out.chunks_exact_mut(8).zip(fields) {
+            chunk.copy_from_slice(&v.to_le_bytes());
+        }
+        out
+    }
+
+    pub(crate) fn decode(bytes: &[u8]) -> Option<StepStats> {
+        let mut v = bytes
+            .get(..STATS_LEN)?
+            .chunks_exact(8)
+            .map(|c| c.try_into().map(f64::from_le_bytes).unwrap_or(f64::NAN));
+        let mut next = || v.next().unwrap_or(f64::NAN);
+        Some(StepStats {
+            compute: next(),
+            pack: next(),
+            communication: next(),
+            exposed: next(),
+            bytes: next(),
+        })
+    }
+}
+
+/// A step's figures over the job, as rank 0 sees them.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct JobStats {
+    /// Rank 0's own figures.
+    pub rank0: StepStats,
+    /// Achieved bus bandwidth of rank 0's gradient all-reduces, bytes per second
+    /// (`bytes / communication * 2(n-1)/n`, nccl-tests' definition).
+    pub busbw: f64,
+    /// The rank whose forward and backward pass took longest.
+    pub slowest: usize,
+    /// Its lag behind the fastest rank, in seconds.
+    pub lag: f64,
+}
+
+impl JobStats {
+    /// The job's figures from every rank's (`None`: a rank without a batch this step).
+    pub(crate) fn combine(ranks: &[Option<StepStats>]) -> Option<JobStats> {
+        let rank0 = ranks.first().copied().flatten()?;
+        let present = || {
+            ranks
+                .iter()
+                .enumerate()
+                .filter_map(|(r, s)| Some((r, s.as_ref()?)))
+        };
+        let (slowest, max) = present().fold((0, f64::MIN), |(r0, m), (r, s)| {
+            if s.compute > m {
+                (r, s.compute)
+            } else {
+                (r0, m)
+            }
+        });
+        let min = present().map(|(_, s)| s.compute).fold(f64::MAX, f64::min);
+        let n = ranks.len() as f64;
+        let busbw = if rank0.communication > 0.0 {
+            rank0.bytes / rank0.communication * 2.0 * (n - 1.0) / n
+        } else {
+            0.0
+        };
+        Some(JobStats {
+            rank0,
+            busbw,
+            slowest,
+            lag: max - min,
+        })
+    }
+}
+
+/// The figures of the last steps rank 0 handed to burn-train, by iteration: burn-train's metrics
+/// run on its own worker thread, a few items behind, and find a step's figures by the
+/// iteration their metadata carries.
+static RECENT: Mutex<VecDeque<(usize, JobStats)>> = Mutex::new(VecDeque::new());
+
+/// Steps kept in [`RECENT`] (more than burn-train's worker falls behind).
+const KEEP: usize = 256;
+
+/// Records the figures of `iteration`'s step, before its item goes to burn-train.
+pub(crate) fn record(iteration: usize, stats: JobStats) {
+    let mut recent = RECENT.lock().unwrap_or_else(|p| p.into_inner());
+    if recent.len() == KEEP {
+        recent.pop_front();
+    }
+    recent.push_back((iteration, stats));
+}
+
+/// The figures recorded last for `iteration`.
+fn lookup(iteration: Option<usize>) -> Option<JobStats> {
+    let recent = RECENT.lock().unwrap_or_else(|p| p.into_inner());
+    let iteration = iteration?;
+    recent
+        .iter()
+        .rev()
+        .find(|(i, _)| *i == iteration)
+        .map(|(_, s)| *s)
+}
+
+/// What a [`DdpMetric`] reads: nothing from the item itself (the figures come from the training
+/// loop); implemented for burn-train's outputs. Implement `Adaptor<StepInput>` for your own
+/// output type (`fn adapt(&self) -> StepInput { StepInput }`) to use the metrics with it.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct StepInput;
+
+impl Adaptor<StepInput> for ClassificationOutput {
+    fn adapt(&self) -> StepInput {
+        StepInput
+    }
+}
+
+impl Adaptor<StepInput> for RegressionOutput {
+    fn adapt(&self) -> StepInput {
+        StepInput
+    }
+}
+
+/// Which figure a [`DdpMetric`] shows.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Figure {
+    Compute,
+    Communication,
+    Exposed,
+    Busbw,
+    Lag,
+}
+
+/// A data-parallel figure of each training step as a burn-train metric (rank 0 shows it):
+///
+/// ```ignore
+/// let training = SupervisedTraining::new(dir, train, valid)
+///     .metric_train_numeric(DdpMetric::communication())
+///     .metric_train_numeric(DdpMetric::exposed_communication())
+///     .metric_train_numeric(DdpMetric::busbw())
+///     .metric_train_numeric(DdpMetric::straggler_lag());
+/// ```
+#[derive(Clone)]
+pub struct DdpMetric {
+    figure: Figure,
+    name: MetricName,
+    state: NumericMetricState,
+    /// The slowest rank of the last step (for the display).
+    slowest: usize,
+}
+
+impl DdpMetric {
+    fn new(figure: Figure, name: &str) -> Self {
+        DdpMetric {
+            figure,
+            name: Arc::new(name.to_string()),
+            state: NumericMetricState::default(),
+            slowest: 0,
+        }
+    }
+
+    /// Milliseconds of rank 0's forward and backward pass.
+    pub fn compute() -> Self {
+        Self::new(Figure::Compute, "Compute ms")
+    }
+
+    /// Milliseconds of rank 0's gradient communication (first bucket sent to last received).
+    pub fn communication() -> Self {
+        Self::new(Figure::Communication, "Comm ms")
+    }
+
+    /// Milliseconds rank 0's step waited for communication (not hidden behind other work).
+    pub fn exposed_communication() -> Self {
+        Self::new(Figure::Exposed, "Exposed comm ms")
+    }
+
+    /// Achieved bus bandwidth of the gradient all-reduces, GB/s.
+    pub fn busbw() -> Self {
+        Self::new(Figure::Busbw, "Busbw GBps")
+    }
+
+    /// Milliseconds the slowest rank's forward and backward pass took beyond the fastest's
+    /// (the display names the slowest rank).
+    pub fn straggler_lag() -> Self {
+        Self::new(Figure::Lag, "Straggler lag ms")
+    }
+
+    fn value(&self, s: &JobStats) -> f64 {
+        match self.figure {
+            Figure::Compute => s.rank0.compute * 1e3,
+            Figure::Communication => s.rank0.communication * 1e3,
+            Figure::Exposed => s.rank0.exposed * 1e3,
+            Figure::Busbw => s.busbw / 1e9,
+            Figure::Lag => s.lag * 1e3,
+        }
+    }
+
+    fn format(&self) -> FormatOptions {
+        let name = match self.figure {
+            Figure::Lag => Arc::new(format!("{} (slowest rank {})", self.name, self.slowest)),
+            _ => self.name.clone(),
+        };
+        FormatOptions::new(name).precision(3)
+    }
+}
+
+impl Metric for DdpMetric {
+    type Input = StepInput;
+
+    fn update(
+        &mut self,
+        _: &StepInput,
+        metadata: &MetricMetadata,
+    ) -> Result<SerializedEntry, TensorReadError> {
+        // A step inside a gradient accumulation has no figures.
+        if let Some(stats) = lookup(metadata.iteration) {
+            self.slowest = stats.slowest;
+            self.state.update(self.value(&stats), 1);
+        }
+        Ok(self.state.compute_update(self.format()))
+    }
+
+    fn compute(&mut self) -> Result<SerializedEntry, TensorReadError> {
+        Ok(self.state.compute_final(self.format()))
+    }
+
+    fn clear(&mut self) {
+        self.state.reset()
+    }
+
+    fn name(&self) -> MetricName {
+        self.name.clone()
+    }
+
+    fn attributes(&self) -> MetricAttributes {
+        NumericAttributes {
+            unit: None,
+            higher_is_better: self.figure == Figure::Busbw,
+        }
+        .into()
+    }
+}
+
+impl Numeric for DdpMetric {
+    fn value(&self) -> Option<NumericEntry> {
+        Some(self.state.current_value())
+    }
+
+    fn running_value(&self) -> Option<NumericEntry> {
+        Some(self.state.running_value())
+    }
+
+    fn final_value(&self) -> NumericEntry {
+        self.state.final_value()
+    }
+}
