@@ -22,9 +22,9 @@ use crate::common::{options, run_world};
 
 /// A burn-train metric that also records the epoch values it computes.
 #[derive(Clone)]
-struct Recorded<Mx> {
-    inner: Mx,
-    epochs: Arc<Mutex<Vec<String>>>,
+pub(crate) struct Recorded<Mx> {
+    pub(crate) inner: Mx,
+    pub(crate) epochs: Arc<Mutex<Vec<String>>>,
 }
 
 impl<Mx: Metric> Metric for Recorded<Mx> {

@@ -10,18 +10,20 @@
 //! - `buffers`: BatchNorm's running statistics kept identical (or not) across ranks;
 //! - `evaluation`: validation metrics that do not depend on the world size;
 //! - `join`: ranks with different numbers of batches training together;
-//! - `compression`: gradients reduced in bf16 and fp16.
+//! - `compression`: gradients reduced in bf16 and fp16;
+//! - `telemetry`: per-step figures as metrics, the straggler, Chrome traces.
 
 mod buffers;
 mod checkpoints;
 mod compression;
 mod disagreement;
 pub(crate) mod equivalence;
-mod evaluation;
+pub(crate) mod evaluation;
 mod job;
 mod join;
 pub(crate) mod lockstep;
 mod model;
+mod telemetry;
 
 pub(crate) use job::{Job, train_rank, uninterrupted_digest};
 pub(crate) use model::{EXIT_CODE, flex, new_net};

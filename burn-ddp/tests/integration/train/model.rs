@@ -148,6 +148,10 @@ impl Net {
     }
 
     fn compute(&self, b: Batch) -> ClassificationOutput {
+        let slow = SLOW_FORWARD.get();
+        if !slow.is_zero() {
+            std::thread::sleep(slow);
+        }
         let mut h = self.hidden.forward(b.x);
         if let Some(norm) = &self.norm {
             h = norm.forward(h);
@@ -190,6 +194,12 @@ thread_local! {
     /// When set, each training step of a `Net` on this thread records the digest of the model
     /// it starts from (parameters and buffers): the model after the previous step.
     static STEP_DIGESTS: std::cell::RefCell<Option<Vec<u64>>> = const { std::cell::RefCell::new(None) };
+}
+
+thread_local! {
+    /// How long each forward pass of a `Net` on this thread sleeps (a straggler).
+    pub(crate) static SLOW_FORWARD: std::cell::Cell<std::time::Duration> =
+        const { std::cell::Cell::new(std::time::Duration::ZERO) };
 }
 
 /// Starts (`true`) or ends recording this thread's step digests; returns those recorded.
