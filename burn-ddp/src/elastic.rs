@@ -124,7 +124,7 @@ pub fn error_file_json(message: &str, timestamp: u64) -> String {
 }
 
 /// `s` as a JSON string literal.
-fn json_string(s: &str) -> String {
+pub(crate) fn json_string(s: &str) -> String {
     let mut out = String::with_capacity(s.len() + 2);
     out.push('"');
     for c in s.chars() {

@@ -259,6 +259,8 @@ fn every_program_lists_its_flags_and_suggests_the_right_one() {
     let quickstart_flags = [
         "--model",
         "--buffer-sync",
+        "--compression",
+        "--profile",
         "--epochs",
         "--batch-size",
         "--lr",

@@ -8,6 +8,8 @@ use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 use std::time::Instant;
 
+use crate::elastic::json_string;
+
 /// Where the computing thread's events go (`tid` 0); all-reduces overlap with it (`tid` 1).
 pub(crate) const COMPUTE: u32 = 0;
 /// The lane of communication events.
@@ -86,20 +88,4 @@ impl Trace {
         pending.clear();
         Ok(())
     }
-}
-
-/// `s` as a JSON string literal.
-fn json_string(s: &str) -> String {
-    let mut out = String::with_capacity(s.len() + 2);
-    out.push('"');
-    for c in s.chars() {
-        match c {
-            '"' => out.push_str("\\\""),
-            '\\' => out.push_str("\\\\"),
-            c if (c as u32) < 0x20 => out.push_str(&format!("\\u{:04x}", c as u32)),
-            c => out.push(c),
-        }
-    }
-    out.push('"');
-    out
 }

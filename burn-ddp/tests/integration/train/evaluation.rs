@@ -102,7 +102,7 @@ fn validate(world: usize, batch: usize, valid_items: usize) -> (String, String) 
 }
 
 /// The first number of a serialized metric value.
-fn number(serialized: &str) -> f64 {
+pub(crate) fn number(serialized: &str) -> f64 {
     serialized
         .split(|c: char| !(c.is_ascii_digit() || c == '.' || c == '-' || c == 'e'))
         .find_map(|s| s.parse().ok())

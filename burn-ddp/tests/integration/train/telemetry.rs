@@ -13,18 +13,10 @@ use burn_ddp::train::{
     DdpLearner, DdpMetric, DdpTraining, DistributedSampler, ProgressOutput, QuietRenderer,
 };
 
-use super::evaluation::Recorded;
+use super::evaluation::{Recorded, number};
 use super::model::{DATA, Points, SLOW_FORWARD, ToBatch, flex, new_net};
 use super::small_buckets;
 use crate::common::{options, run_world};
-
-/// The first number of a serialized metric value.
-fn number(serialized: &str) -> f64 {
-    serialized
-        .split(|c: char| !(c.is_ascii_digit() || c == '.' || c == '-' || c == 'e'))
-        .find_map(|s| s.parse().ok())
-        .unwrap_or_else(|| panic!("no number in {serialized:?}"))
-}
 
 #[test]
 fn the_straggler_is_measured_and_every_rank_writes_its_trace() {
