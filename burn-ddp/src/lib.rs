@@ -29,7 +29,9 @@
 //! # Ok::<(), burn_ddp::DdpError>(())
 //! ```
 
-#![forbid(unsafe_code)]
+// All unsafe code is in one module (`collectives/shm/mapping.rs`, the shared-memory mapping),
+// which allows it for itself.
+#![deny(unsafe_code)]
 #![warn(missing_docs)]
 
 #[cfg(feature = "cli")]
@@ -54,6 +56,7 @@ mod wire;
 pub use collectives::{
     Broadcastable, DType, Element, Gatherable, Reduce, ReduceOp, Reducible, Work,
 };
+pub use collectives::{TRANSPORT_VAR, Transport};
 pub use error::{DdpError, Result};
 pub use group::{
     GroupOptions, ProcessGroup, ProcessGroupBuilder, init_process_group, init_process_group_with,

@@ -12,12 +12,14 @@ mod buffer;
 #[cfg(feature = "train")]
 pub(crate) mod device;
 pub(crate) mod reduce;
+pub(crate) mod shm;
 pub(crate) mod tcp;
 mod work;
 
 use half::{bf16, f16};
 
 pub use buffer::{Broadcastable, Gatherable, Reducible};
+pub use shm::setup::{TRANSPORT_VAR, Transport};
 pub use work::Work;
 
 /// The [`Element`] types a collective can carry, as a value: named in messages and sent as a
