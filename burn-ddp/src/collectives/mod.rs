@@ -3,8 +3,9 @@
 //!
 //! The operations themselves are methods of [`crate::ProcessGroup`], generic over the buffer
 //! ([`Reducible`], [`Broadcastable`], [`Gatherable`]): host vectors travel by the TCP transport
-//! ([`tcp`]); burn tensors by the backend of their device kind (`device`, feature `train`: NCCL
-//! for CUDA from `burn-ddp-nccl`, host staging over TCP for every other device). How an
+//! ([`tcp`]), or through shared memory ([`shm`]) when every rank runs on one host; burn tensors
+//! by the backend of their device kind (`device`, feature `train`: NCCL for CUDA from
+//! `burn-ddp-nccl`, host staging over the host transport for every other device). How an
 //! operation is described on the wire and in errors (`OpKind`, `OpDesc`) is internal: errors
 //! carry it as text, as in `all_reduce #12 of 4096 x f32`.
 

@@ -109,13 +109,13 @@ pub(crate) struct Created {
 impl Created {
     /// Removes the segment's name now (the mappings stay valid).
     pub(crate) fn unlink(&mut self) {
-        if std::mem::take(&mut self.linked) {
-            if let Err(e) = rustix::shm::unlink(self.name.as_str()) {
-                log::warn!(
-                    "removing the shared-memory segment {} failed: {e}",
-                    self.name
-                );
-            }
+        if std::mem::take(&mut self.linked)
+            && let Err(e) = rustix::shm::unlink(self.name.as_str())
+        {
+            log::warn!(
+                "removing the shared-memory segment {} failed: {e}",
+                self.name
+            );
         }
     }
 }
