@@ -184,9 +184,11 @@ impl ShmChannel {
 /// An operation as published in a control block, for desync messages.
 fn describe((kind, seq, dtype, bytes): (u64, u64, u64, u64), aux: u64) -> String {
     use crate::collectives::{DType, OpKind};
-    let kind = u8::try_from(kind).ok().and_then(OpKind::from_code);
-    let dtype = u8::try_from(dtype).ok().and_then(DType::from_code);
-    match (kind, dtype) {
+    let known = (
+        u8::try_from(kind).ok().and_then(OpKind::from_code),
+        u8::try_from(dtype).ok().and_then(DType::from_code),
+    );
+    match known {
         (Some(kind), Some(dtype)) => {
             let op = OpDesc {
                 kind,
