@@ -1,16 +1,17 @@
-//! Rank program of `cargo xtask bench-collectives`: times all-reduce over the TCP transport for
+//! Rank program of `cargo xtask bench-collectives`: times all-reduce over the TCP or the
+//! shared-memory transport for
 //! message sizes from 4 KiB to 256 MiB and prints, on rank 0, median time, algorithm and bus
 //! bandwidth, and the ratio of bus bandwidth to a memcpy measured in the same run.
 //!
 //! Run it under a launcher (`burn-ddp-run --nproc 2 target/release/examples/bench_collectives`)
 //! or through `cargo xtask bench-collectives --world 2`; it forms its group from the
 //! launcher's environment. Flags (`--help`): `--sizes 4K,64M`, `--chunk 512K`, `--spin-us 20`,
-//! `--op sum|avg|max`.
+//! `--op sum|avg|max`, `--transport tcp|shm|auto`, `--shm-slot 4M`.
 
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
-use burn_ddp::{GroupOptions, ReduceOp, init_process_group_with};
+use burn_ddp::{GroupOptions, ReduceOp, Transport, init_process_group_with};
 use clap::Parser;
 
 const DEFAULT_SIZES: &str = "4K,16K,64K,256K,1M,4M,16M,64M,256M";
@@ -57,7 +58,7 @@ fn memcpy_gbps(bytes: usize) -> f64 {
     bytes as f64 / median(times).as_secs_f64() / 1e9
 }
 
-/// Times all-reduce over the TCP transport; rank 0 prints the table.
+/// Times all-reduce over a transport; rank 0 prints the table.
 #[derive(Debug, Parser)]
 #[command(name = "bench_collectives")]
 struct Args {
@@ -74,6 +75,16 @@ struct Args {
     /// Reduction operator
     #[arg(long, value_enum, default_value_t = Op::Sum)]
     op: Op,
+    /// Transport: tcp, shm, or auto (shm when every rank is on this host)
+    #[arg(long, value_name = "KIND", default_value = "tcp", value_parser = parse_transport)]
+    transport: Transport,
+    /// Bytes of each rank's slot in the shared-memory segment
+    #[arg(long, value_name = "BYTES", value_parser = parse_size, default_value = "4M")]
+    shm_slot: usize,
+}
+
+fn parse_transport(s: &str) -> Result<Transport, String> {
+    s.parse()
 }
 
 /// The reductions the benchmark offers.
@@ -103,6 +114,8 @@ fn main() -> anyhow::Result<()> {
         chunk_bytes: args.chunk,
         spin,
         timeout: Duration::from_secs(120),
+        transport: args.transport,
+        shm_slot_bytes: args.shm_slot,
         ..GroupOptions::default()
     })
     .context("forming the process group")?;
@@ -113,7 +126,8 @@ fn main() -> anyhow::Result<()> {
     group.barrier().wait()?;
     if rank == 0 {
         println!(
-            "burn-ddp all-reduce (TCP ring), world {n}, f32 {:?}, chunk {}, spin {:?}",
+            "burn-ddp all-reduce ({}), world {n}, f32 {:?}, chunk {}, spin {:?}",
+            group.transport(),
             op,
             human(args.chunk),
             spin

@@ -15,6 +15,7 @@ pub mod slurm;
 
 use std::time::Duration;
 
+use crate::collectives::{TRANSPORT_VAR, Transport};
 use crate::elastic;
 use crate::error::{DdpError, Result};
 use crate::secret::{JobSecret, SECRET_VAR};
@@ -67,6 +68,8 @@ pub struct LaunchEnv {
     pub timeout: Option<Duration>,
     /// Rendezvous timeout from `BURN_DDP_RENDEZVOUS_TIMEOUT` (seconds), if set.
     pub rendezvous_timeout: Option<Duration>,
+    /// Transport of collectives from `BURN_DDP_TRANSPORT` (`tcp`, `shm`, `auto`), if set.
+    pub transport: Option<Transport>,
     /// Which variables were used.
     pub source: EnvSource,
     /// The job secret from `BURN_DDP_SECRET` (set by `burn-ddp-run`), if any.
@@ -245,6 +248,12 @@ impl LaunchEnv {
             master_port,
             timeout: parse_seconds(&get, "BURN_DDP_TIMEOUT")?,
             rendezvous_timeout: parse_seconds(&get, "BURN_DDP_RENDEZVOUS_TIMEOUT")?,
+            transport: get(TRANSPORT_VAR)
+                .map(|v| {
+                    v.parse()
+                        .map_err(|e: String| invalid(TRANSPORT_VAR, &v, &e))
+                })
+                .transpose()?,
             source,
             secret: get(SECRET_VAR).map(JobSecret::new).transpose()?,
             agent_store: torchrun_store

@@ -12,7 +12,7 @@ use std::sync::mpsc::{self, Sender};
 use std::thread::JoinHandle;
 
 use crate::collectives::tcp::{OpResult, TcpTransport};
-use crate::collectives::{Broadcastable, Gatherable, ReduceOp, Reducible, Work};
+use crate::collectives::{Broadcastable, Gatherable, ReduceOp, Reducible, Transport, Work};
 use crate::env::LaunchEnv;
 use crate::error::{DdpError, Result};
 use crate::failure::FailureRecord;
@@ -51,6 +51,7 @@ pub struct ProcessGroup {
     jobs: Option<Sender<Job>>,
     worker: Option<JoinHandle<()>>,
     all_reduces: AtomicU64,
+    transport: Transport,
     #[cfg(feature = "train")]
     devices: crate::collectives::device::DeviceBackends,
     _server: Option<StoreServer>,
@@ -84,7 +85,8 @@ impl ProcessGroup {
     }
 
     /// The builder of the group `env` describes, with `options` under the environment's
-    /// settings (`BURN_DDP_TIMEOUT` and `BURN_DDP_RENDEZVOUS_TIMEOUT` replace their timeouts).
+    /// settings (`BURN_DDP_TIMEOUT` and `BURN_DDP_RENDEZVOUS_TIMEOUT` replace their timeouts,
+    /// `BURN_DDP_TRANSPORT` the transport).
     /// The one mapping from launcher variables to a group: every way of forming a group from
     /// the environment goes through it.
     pub fn builder_from_env(env: &LaunchEnv, options: GroupOptions) -> ProcessGroupBuilder {
@@ -101,6 +103,9 @@ impl ProcessGroup {
         }
         if let Some(t) = env.rendezvous_timeout {
             b = b.rendezvous_timeout(t);
+        }
+        if let Some(t) = env.transport {
+            b = b.transport(t);
         }
         if let Some(s) = &env.secret {
             b = b.secret(s.clone());
@@ -146,6 +151,12 @@ impl ProcessGroup {
     /// example that gradient accumulation reduces once per optimizer step, not per batch).
     pub fn all_reduce_count(&self) -> u64 {
         self.all_reduces.load(Ordering::Relaxed)
+    }
+
+    /// The transport the group's collectives use: [`Transport::Shm`] or [`Transport::Tcp`]
+    /// (never `Auto`: the choice made at rendezvous; `Tcp` for a world of one).
+    pub fn transport(&self) -> Transport {
+        self.transport
     }
 
     /// The options the group was formed with.

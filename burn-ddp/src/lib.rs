@@ -10,8 +10,9 @@
 //! - [`elastic`]: torchrun's variables and its error file;
 //! - [`ProcessGroup`]: rendezvous plus collectives (`all_reduce`, `broadcast`, `all_gather`,
 //!   `barrier`), each started now and waited for later through [`Work`];
-//! - [`collectives`]: element types, reduction operators, and the TCP transport (a pipelined
-//!   ring, gloo-like) that serves CPU training and every test;
+//! - [`collectives`]: element types, reduction operators, and the transports that serve CPU
+//!   training and every test: TCP (a pipelined ring, gloo-like) and, for ranks on one host,
+//!   shared memory ([`Transport`], `BURN_DDP_TRANSPORT`);
 //! - [`launch`]: starting N rank processes of a program, as torchrun does (serving the store
 //!   and generating the job [`secret`]); `cli` (feature `cli`): the launcher's flags;
 //! - [`status`]: where each rank is, published so that failures say where every rank was;
@@ -29,7 +30,9 @@
 //! # Ok::<(), burn_ddp::DdpError>(())
 //! ```
 
-#![forbid(unsafe_code)]
+// All unsafe code is in one module (`collectives/shm/mapping.rs`, the shared-memory mapping),
+// which allows it for itself.
+#![deny(unsafe_code)]
 #![warn(missing_docs)]
 
 #[cfg(feature = "cli")]
@@ -54,6 +57,7 @@ mod wire;
 pub use collectives::{
     Broadcastable, DType, Element, Gatherable, Reduce, ReduceOp, Reducible, Work,
 };
+pub use collectives::{TRANSPORT_VAR, Transport};
 pub use error::{DdpError, Result};
 pub use group::{
     GroupOptions, ProcessGroup, ProcessGroupBuilder, init_process_group, init_process_group_with,

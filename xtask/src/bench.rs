@@ -26,6 +26,9 @@ pub struct BenchCollectives {
     /// Reduction operator [default: sum]
     #[arg(long, value_parser = ["sum", "avg", "max"])]
     op: Option<String>,
+    /// Transport of the collectives [default: tcp]
+    #[arg(long, value_parser = ["tcp", "shm", "auto"])]
+    transport: Option<String>,
     /// Build in the dev profile (quick to build, not for figures)
     #[arg(long)]
     debug: bool,
@@ -41,6 +44,7 @@ pub fn bench_collectives(task: BenchCollectives) -> Result<()> {
         ("--chunk", &task.chunk),
         ("--spin-us", &spin),
         ("--op", &task.op),
+        ("--transport", &task.transport),
     ] {
         if let Some(v) = value {
             forwarded.extend([name.to_string(), v.clone()]);

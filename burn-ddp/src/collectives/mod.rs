@@ -3,8 +3,9 @@
 //!
 //! The operations themselves are methods of [`crate::ProcessGroup`], generic over the buffer
 //! ([`Reducible`], [`Broadcastable`], [`Gatherable`]): host vectors travel by the TCP transport
-//! ([`tcp`]); burn tensors by the backend of their device kind (`device`, feature `train`: NCCL
-//! for CUDA from `burn-ddp-nccl`, host staging over TCP for every other device). How an
+//! ([`tcp`]), or through shared memory ([`shm`]) when every rank runs on one host; burn tensors
+//! by the backend of their device kind (`device`, feature `train`: NCCL for CUDA from
+//! `burn-ddp-nccl`, host staging over the host transport for every other device). How an
 //! operation is described on the wire and in errors (`OpKind`, `OpDesc`) is internal: errors
 //! carry it as text, as in `all_reduce #12 of 4096 x f32`.
 
@@ -12,12 +13,14 @@ mod buffer;
 #[cfg(feature = "train")]
 pub(crate) mod device;
 pub(crate) mod reduce;
+pub(crate) mod shm;
 pub(crate) mod tcp;
 mod work;
 
 use half::{bf16, f16};
 
 pub use buffer::{Broadcastable, Gatherable, Reducible};
+pub use shm::setup::{TRANSPORT_VAR, Transport};
 pub use work::Work;
 
 /// The [`Element`] types a collective can carry, as a value: named in messages and sent as a

@@ -8,6 +8,8 @@ use std::sync::atomic::AtomicU64;
 use std::time::{Duration, Instant};
 
 use super::{ProcessGroup, Worker};
+use crate::collectives::Transport;
+use crate::collectives::shm::setup::{ShmRequest, negotiate};
 use crate::collectives::tcp::{TcpConfig, TcpTransport, mesh};
 use crate::env::DEFAULT_MASTER_PORT;
 use crate::error::{DdpError, Result};
@@ -29,6 +31,12 @@ pub struct GroupOptions {
     /// How long a collective retries its sockets before sleeping in the poller (default 20 µs).
     /// Longer spins cut small-message latency but take a core from computation.
     pub spin: Duration,
+    /// The transport of collectives (default [`Transport::Auto`]: shared memory when every rank
+    /// runs on one host, TCP otherwise); `BURN_DDP_TRANSPORT` from the environment.
+    pub transport: Transport,
+    /// Bytes of each rank's slot in the shared-memory segment (default 4 MiB); larger buffers
+    /// move in rounds. The segment holds `world + 1` slots.
+    pub shm_slot_bytes: usize,
 }
 
 impl Default for GroupOptions {
@@ -39,6 +47,8 @@ impl Default for GroupOptions {
             chunk_bytes: 512 << 10,
             max_gather_bytes: 1 << 30,
             spin: Duration::from_micros(20),
+            transport: Transport::Auto,
+            shm_slot_bytes: 4 << 20,
         }
     }
 }
@@ -150,6 +160,11 @@ impl ProcessGroupBuilder {
         self.socket_ifname = Some(name.into());
         self
     }
+    /// The transport of collectives (default: shared memory when every rank is on one host).
+    pub fn transport(mut self, transport: Transport) -> Self {
+        self.options.transport = transport;
+        self
+    }
     /// All options at once.
     pub fn options(mut self, options: GroupOptions) -> Self {
         self.options = options;
@@ -177,9 +192,11 @@ impl ProcessGroupBuilder {
                 "local rank {local_rank} is not below the local world size {local_world_size}"
             )));
         }
-        if options.chunk_bytes < 8 || options.timeout.is_zero() {
+        if options.chunk_bytes < 8 || options.timeout.is_zero() || options.shm_slot_bytes < 64 {
             return Err(DdpError::InvalidConfig(
-                "chunk_bytes must be at least 8 and the timeout positive".into(),
+                "chunk_bytes must be at least 8, shm_slot_bytes at least 64 and the timeout \
+                 positive"
+                    .into(),
             ));
         }
         let c10d = matches!(self.store_kind, StoreKind::C10d { .. });
@@ -252,7 +269,7 @@ impl ProcessGroupBuilder {
             vec![None]
         };
         let status = StatusBoard::start(rank, world_size, store.clone());
-        let transport = TcpTransport::new(
+        let mut transport = TcpTransport::new(
             rank,
             world_size,
             streams,
@@ -264,6 +281,25 @@ impl ProcessGroupBuilder {
                 spin: options.spin,
             },
         )?;
+        if world_size > 1 {
+            let request = ShmRequest {
+                rank,
+                world: world_size,
+                mode: options.transport,
+                port: master_port,
+                slot_bytes: options.shm_slot_bytes,
+                timeout: options.timeout,
+                spin: options.spin,
+            };
+            if let Some(channel) = negotiate(&request, &store, deadline)? {
+                transport.use_shm(channel);
+            }
+        }
+        let in_use = if transport.uses_shm() {
+            Transport::Shm
+        } else {
+            Transport::Tcp
+        };
         let (jobs, worker) = Worker::spawn(rank, transport, store.clone(), status.cell())?;
         log::info!("rank {rank}: joined a group of {world_size} through the store at {store_addr}");
         Ok(ProcessGroup {
@@ -277,6 +313,7 @@ impl ProcessGroupBuilder {
             jobs: Some(jobs),
             worker: Some(worker),
             all_reduces: AtomicU64::new(0),
+            transport: in_use,
             #[cfg(feature = "train")]
             devices: Default::default(),
             _server: server,

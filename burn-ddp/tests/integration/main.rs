@@ -13,6 +13,7 @@ mod output;
 mod preemption;
 mod processes;
 mod security;
+mod shm;
 mod soak;
 mod store;
 mod syncbn;

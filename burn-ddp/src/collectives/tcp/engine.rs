@@ -281,6 +281,18 @@ impl Engine {
         }
     }
 
+    /// Whether `peer` closed its connection or left the group (for transports that wait on it
+    /// elsewhere, as shared memory does): what happened, in words.
+    pub(super) fn peer_gone(&mut self, peer: usize) -> Option<String> {
+        if let Err(fault) = check_control(&mut self.peers, peer) {
+            return Some(fault.detail);
+        }
+        let left = self.peers.get(peer)?.as_ref()?.departed;
+        left.then(|| {
+            format!("rank {peer} left the group (dropped its process group) while this rank waits for it")
+        })
+    }
+
     /// Closes every connection at once, so the peers notice this rank stopped.
     pub(super) fn close(&mut self) {
         for p in self.peers.iter().flatten() {

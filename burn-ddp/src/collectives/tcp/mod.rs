@@ -24,6 +24,7 @@ mod schedule;
 use std::time::Duration;
 
 pub(crate) use self::ring::TcpTransport;
+pub(crate) use self::schedule::balanced;
 use super::OpDesc;
 
 /// Tunables of the transport.

@@ -9,7 +9,8 @@ use std::sync::Arc;
 
 use super::engine::Engine;
 use super::schedule::{Schedule, balanced};
-use super::{OpError, OpResult, TcpConfig};
+use super::{OpError, OpResult, PeerFailure, TcpConfig};
+use crate::collectives::shm::{self, ShmChannel};
 use crate::collectives::{DType, Element, OpDesc, OpKind, Reduce, ReduceOp};
 use crate::error::Result;
 use crate::status::StatusCell;
@@ -25,6 +26,9 @@ pub(crate) struct TcpTransport {
     next_seq: u64,
     /// An operation failed or the group closed the connections: every later one is refused.
     broken: bool,
+    /// The shared-memory segment, when the group chose it: every collective then runs over it
+    /// (the sockets stay, to notice peers that die or leave).
+    shm: Option<ShmChannel>,
 }
 
 impl TcpTransport {
@@ -46,7 +50,45 @@ impl TcpTransport {
             status,
             next_seq: 0,
             broken: false,
+            shm: None,
         })
+    }
+
+    /// Runs every later collective over shared memory.
+    pub(crate) fn use_shm(&mut self, channel: ShmChannel) {
+        self.shm = Some(channel);
+    }
+
+    /// Whether collectives run over shared memory.
+    pub(crate) fn uses_shm(&self) -> bool {
+        self.shm.is_some()
+    }
+
+    /// Runs `f` on the shared-memory channel (there must be one) as operation `op`, with a
+    /// check of the peers' sockets; a failure breaks the transport as [`Self::execute`] does.
+    fn on_shm<T>(
+        &mut self,
+        op: &OpDesc,
+        f: impl FnOnce(&mut ShmChannel, &mut shm::PeerCheck<'_>) -> Result<T, shm::Fault>,
+    ) -> OpResult<T> {
+        self.status.update(|s| s.collective = Some(op.to_string()));
+        let (engine, Some(channel)) = (&mut self.engine, self.shm.as_mut()) else {
+            return Err(OpError::Refused { op: *op });
+        };
+        match f(channel, &mut |peer| engine.peer_gone(peer)) {
+            Ok(v) => {
+                self.clear_status();
+                Ok(v)
+            }
+            Err(shm::Fault { peer, detail }) => {
+                self.broken = true;
+                Err(OpError::Peer(PeerFailure {
+                    culprit: peer,
+                    detail,
+                    op: *op,
+                }))
+            }
+        }
     }
 
     /// Numbers the next operation, or refuses it if the transport is broken.
@@ -76,6 +118,9 @@ impl TcpTransport {
         let n = self.world;
         if n == 1 {
             return Ok(());
+        }
+        if self.shm.is_some() {
+            return self.on_shm(&desc, |c, check| c.all_reduce(&desc, data, op, check));
         }
         let elem = size_of::<T>();
         let segments = balanced(data.len(), n, elem);
@@ -107,6 +152,10 @@ impl TcpTransport {
         if self.world == 1 {
             return Ok(());
         }
+        if self.shm.is_some() {
+            let data = bytemuck::cast_slice_mut(data);
+            return self.on_shm(&op, |c, check| c.broadcast(&op, data, root, check));
+        }
         let sched = Schedule::chain(bytes, self.rank, self.world, root, self.chunk_for(1));
         let buf = bytemuck::cast_slice_mut(data);
         self.execute(&op, buf, &sched, &mut |_, _, _| {})
@@ -117,7 +166,13 @@ impl TcpTransport {
         let n = self.world;
         let mut sizes = vec![0u64; n];
         sizes[self.rank] = data.len() as u64;
-        self.ring_gather(OpKind::AllGatherSizes, &mut sizes, 1)?;
+        if self.shm.is_some() && n > 1 {
+            let op = self.begin(OpKind::AllGatherSizes, DType::U8, n * 8)?;
+            let own = data.len() as u64;
+            sizes = self.on_shm(&op, |c, check| c.gather_sizes(&op, own, check))?;
+        } else {
+            self.ring_gather(OpKind::AllGatherSizes, &mut sizes, 1)?;
+        }
         let total = sizes.iter().fold(0u64, |a, s| a.saturating_add(*s));
         let op = self.begin(
             OpKind::AllGather,
@@ -140,7 +195,10 @@ impl TcpTransport {
             start += *s as usize;
         }
         out[bounds[self.rank].clone()].copy_from_slice(data);
-        if n > 1 {
+        if n > 1 && self.shm.is_some() {
+            let out = &mut out;
+            self.on_shm(&op, |c, check| c.all_gather(&op, out, &bounds, check))?;
+        } else if n > 1 {
             let sched = Schedule::ring(&bounds, self.rank, 0, n - 1, self.chunk_for(1));
             self.execute(&op, &mut out, &sched, &mut |_, _, _| {})?;
         }
@@ -149,6 +207,10 @@ impl TcpTransport {
 
     /// Returns once every rank has entered the barrier.
     pub(crate) fn barrier(&mut self) -> OpResult<()> {
+        if self.shm.is_some() && self.world > 1 {
+            let op = self.begin(OpKind::Barrier, DType::U8, 0)?;
+            return self.on_shm(&op, |c, check| c.barrier(&op, check));
+        }
         self.ring_gather(OpKind::Barrier, &mut [], 0)
     }
 

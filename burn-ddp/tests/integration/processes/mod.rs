@@ -26,7 +26,7 @@ use crate::train::{EXIT_CODE, Job, flex, new_net, train_rank};
 
 pub(crate) const ENTRY: &str = "processes::rank_process";
 /// Exit code of a rank whose collective failed as expected.
-const COLLECTIVE_FAILED: i32 = 3;
+pub(crate) const COLLECTIVE_FAILED: i32 = 3;
 
 /// Entry point of rank processes; does nothing useful when run directly.
 #[test]
@@ -68,7 +68,7 @@ fn rank_process() {
                     }
                 }
                 if i == 3 {
-                    println!("READY");
+                    println!("READY {}", group.transport());
                 }
             }
         }
@@ -143,7 +143,7 @@ pub(crate) fn rank_entry_command(entry: &str) -> Command {
 }
 
 /// The command that runs this binary as rank `rank` of `world` in `scenario`.
-fn rank_command(scenario: &str, rank: usize, world: usize, port: u16) -> Command {
+pub(crate) fn rank_command(scenario: &str, rank: usize, world: usize, port: u16) -> Command {
     let mut cmd = rank_entry_command(ENTRY);
     cmd.env("BDDP_TEST_SCENARIO", scenario)
         .env("RANK", rank.to_string())
@@ -158,7 +158,7 @@ fn rank_command(scenario: &str, rank: usize, world: usize, port: u16) -> Command
 }
 
 /// Kills whatever is still running when a test ends, passed or failed.
-struct Ranks(Vec<Child>);
+pub(crate) struct Ranks(pub(crate) Vec<Child>);
 
 impl Drop for Ranks {
     fn drop(&mut self) {
@@ -170,7 +170,7 @@ impl Drop for Ranks {
 }
 
 /// Waits for a child with a bound; returns its exit code and stderr.
-fn finish(child: &mut Child, deadline: Instant) -> (Option<i32>, String) {
+pub(crate) fn finish(child: &mut Child, deadline: Instant) -> (Option<i32>, String) {
     loop {
         if let Some(status) = child.try_wait().unwrap() {
             let mut err = String::new();

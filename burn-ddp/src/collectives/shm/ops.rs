@@ -1,0 +1,194 @@
+//! The collectives over the shared-memory segment: all-reduce (bit-identical to the TCP ring),
+//! broadcast, all-gather and barrier, each in rounds of steps (see the module above).
+
+use std::ops::Range;
+
+use super::{Fault, PeerCheck, ShmChannel};
+use crate::collectives::tcp::balanced;
+use crate::collectives::{OpDesc, Reduce, ReduceOp};
+
+/// Elements reduced at a time: two chunks of this many bytes stay in the core's cache.
+const REDUCE_CHUNK: usize = 32 << 10;
+
+/// Piece `round` (of `piece` bytes) of `range`, possibly empty.
+fn piece_of(range: &Range<usize>, round: usize, piece: usize) -> Range<usize> {
+    let start = (range.start + round * piece).min(range.end);
+    start..(start + piece).min(range.end)
+}
+
+impl ShmChannel {
+    /// All-reduce of `data` for `op`: every element is reduced by one rank, in the TCP ring's
+    /// order for its segment (segment `s` starts from rank `s`'s value and adds ranks `s + 1`,
+    /// `s + 2`, ... each on the left), so every rank gets the bits the TCP transport gives.
+    pub(crate) fn all_reduce<T: Reduce>(
+        &mut self,
+        desc: &OpDesc,
+        data: &mut [T],
+        op: ReduceOp,
+        check: &mut PeerCheck<'_>,
+    ) -> Result<(), Fault> {
+        let (n, me, elem) = (self.world, self.rank, size_of::<T>());
+        let segments = balanced(data.len(), n, elem);
+        let piece = self.layout.piece;
+        let longest = segments.iter().map(|s| s.len()).max().unwrap_or(0);
+        let rounds = longest.div_ceil(piece).max(1);
+        let bytes: &mut [u8] = bytemuck::cast_slice_mut(data);
+        let (slot, result) = (self.layout.slot(me), self.layout.result());
+        let words = REDUCE_CHUNK / 8;
+        for s in &mut self.scratch {
+            s.resize(words, 0);
+        }
+        for round in 0..rounds {
+            for (s, seg) in segments.iter().enumerate() {
+                if s != me {
+                    let r = piece_of(seg, round, piece);
+                    self.map.write(slot + s * piece, &bytes[r]);
+                }
+            }
+            if round == 0 {
+                self.publish(desc, op as u64);
+            }
+            self.step(check)?;
+            if round == 0 {
+                self.check_ops(desc, op as u64, true)?;
+            }
+            // Reduce this rank's piece, chunk by chunk, in the ring's order.
+            let mine = piece_of(&segments[me], round, piece);
+            let mut off = 0;
+            while off < mine.len() {
+                let len = (mine.len() - off).min(REDUCE_CHUNK);
+                let [acc, other] = &mut self.scratch;
+                let (mut acc, mut other) = (
+                    &mut bytemuck::cast_slice_mut::<u64, u8>(acc)[..len],
+                    &mut bytemuck::cast_slice_mut::<u64, u8>(other)[..len],
+                );
+                let at = mine.start + off;
+                acc.copy_from_slice(&bytes[at..at + len]);
+                for k in 1..n {
+                    let peer = (me + k) % n;
+                    self.map
+                        .read(self.layout.slot(peer) + me * piece + off, other);
+                    T::combine(
+                        bytemuck::cast_slice_mut(other),
+                        bytemuck::cast_slice(acc),
+                        op,
+                    );
+                    std::mem::swap(&mut acc, &mut other);
+                }
+                if op == ReduceOp::Avg {
+                    T::divide(bytemuck::cast_slice_mut(acc), n);
+                }
+                self.map.write(result + me * piece + off, acc);
+                bytes[at..at + len].copy_from_slice(acc);
+                off += len;
+            }
+            self.step(check)?;
+            for (s, seg) in segments.iter().enumerate() {
+                if s != me {
+                    let r = piece_of(seg, round, piece);
+                    self.map.read(result + s * piece, &mut bytes[r]);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Broadcast of `root`'s `data` to every rank, through the root's slot.
+    pub(crate) fn broadcast(
+        &mut self,
+        desc: &OpDesc,
+        data: &mut [u8],
+        root: usize,
+        check: &mut PeerCheck<'_>,
+    ) -> Result<(), Fault> {
+        let cap = self.layout.slot_len();
+        let slot = self.layout.slot(root);
+        let rounds = data.len().div_ceil(cap).max(1);
+        for round in 0..rounds {
+            let r = piece_of(&(0..data.len()), round, cap);
+            if self.rank == root {
+                self.map.write(slot, &data[r.clone()]);
+            }
+            if round == 0 {
+                self.publish(desc, root as u64);
+            }
+            self.step(check)?;
+            if round == 0 {
+                self.check_ops(desc, root as u64, true)?;
+            }
+            if self.rank != root {
+                self.map.read(slot, &mut data[r]);
+            }
+            self.step(check)?;
+        }
+        Ok(())
+    }
+
+    /// Every rank's byte count, for an all-gather (`desc` is the size exchange).
+    pub(crate) fn gather_sizes(
+        &mut self,
+        desc: &OpDesc,
+        own: u64,
+        check: &mut PeerCheck<'_>,
+    ) -> Result<Vec<u64>, Fault> {
+        self.publish(desc, own);
+        self.step(check)?;
+        self.check_ops(desc, own, false)
+    }
+
+    /// Gathers every rank's bytes (of the agreed `sizes`) into `out`, laid out by rank.
+    pub(crate) fn all_gather(
+        &mut self,
+        desc: &OpDesc,
+        out: &mut [u8],
+        bounds: &[Range<usize>],
+        check: &mut PeerCheck<'_>,
+    ) -> Result<(), Fault> {
+        let cap = self.layout.slot_len();
+        let own = self.layout.slot(self.rank);
+        let longest = bounds.iter().map(|b| b.len()).max().unwrap_or(0);
+        let rounds = longest.div_ceil(cap).max(1);
+        for round in 0..rounds {
+            let mine = piece_of(&bounds[self.rank], round, cap);
+            self.map.write(own, &out[mine]);
+            if round == 0 {
+                self.publish(desc, 0);
+            }
+            self.step(check)?;
+            if round == 0 {
+                self.check_ops(desc, 0, true)?;
+            }
+            for (peer, b) in bounds.iter().enumerate() {
+                if peer != self.rank {
+                    let r = piece_of(b, round, cap);
+                    self.map.read(self.layout.slot(peer), &mut out[r]);
+                }
+            }
+            self.step(check)?;
+        }
+        Ok(())
+    }
+
+    /// Returns once every rank has reached the barrier.
+    pub(crate) fn barrier(
+        &mut self,
+        desc: &OpDesc,
+        check: &mut PeerCheck<'_>,
+    ) -> Result<(), Fault> {
+        self.publish(desc, 0);
+        self.step(check)?;
+        self.check_ops(desc, 0, true).map(|_| ())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::piece_of;
+
+    #[test]
+    fn pieces_cover_a_range_once() {
+        let r = 10..45;
+        let got: Vec<_> = (0..5).map(|k| piece_of(&r, k, 16)).collect();
+        assert_eq!(got, vec![10..26, 26..42, 42..45, 45..45, 45..45]);
+    }
+}

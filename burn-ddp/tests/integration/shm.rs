@@ -1,0 +1,242 @@
+//! The shared-memory transport: the same bits as the TCP transport, failures named, desyncs
+//! caught, and nothing left in /dev/shm (after a clean exit, while running, after a SIGKILL).
+
+use std::io::{BufRead, BufReader};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+use burn_ddp::launch::free_port;
+use burn_ddp::{GroupOptions, ProcessGroup, ReduceOp, Transport};
+use half::{bf16, f16};
+
+use crate::common::{TestFloat, digest, options, rank_data, run_world};
+use crate::processes::{COLLECTIVE_FAILED, Ranks, finish, rank_command};
+
+/// Options with `transport` and small slots, so that buffers move in several rounds.
+fn opts(transport: Transport, timeout_secs: u64) -> GroupOptions {
+    GroupOptions {
+        transport,
+        shm_slot_bytes: 4096,
+        ..options(timeout_secs)
+    }
+}
+
+/// The segments of the group whose store listens on `port` still named in /dev/shm.
+fn leftovers(port: u16) -> Vec<String> {
+    let prefix = format!("burn-ddp-{port}-");
+    std::fs::read_dir("/dev/shm")
+        .map(|d| {
+            d.filter_map(|e| e.ok())
+                .map(|e| e.file_name().to_string_lossy().into_owned())
+                .filter(|n| n.starts_with(&prefix))
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+fn store_port(g: &ProcessGroup) -> u16 {
+    g.store()
+        .addr()
+        .rsplit(':')
+        .next()
+        .unwrap()
+        .parse()
+        .unwrap()
+}
+
+/// Digests of every collective result of one rank, for one transport.
+fn results<T: TestFloat>(g: &ProcessGroup, case: u64) -> Vec<u64> {
+    let mut out = Vec::new();
+    for len in [0, 1, 7, 1000, 3 * 4096 + 5] {
+        for op in [ReduceOp::Sum, ReduceOp::Avg, ReduceOp::Max, ReduceOp::Min] {
+            let mine = rank_data::<T>(case + len as u64, g.rank(), len);
+            let r = g.all_reduce(mine, op).wait().expect("all_reduce");
+            out.push(digest(bytemuck::cast_slice(&r)));
+        }
+    }
+    out
+}
+
+fn run_all(g: &ProcessGroup) -> Vec<u64> {
+    let mut out = results::<f32>(g, 1);
+    out.extend(results::<f64>(g, 2));
+    out.extend(results::<f16>(g, 3));
+    out.extend(results::<bf16>(g, 4));
+    let len = 9000 + g.rank();
+    let mine: Vec<u8> = (0..len).map(|i| (i * 7 + g.rank()) as u8).collect();
+    let gathered = g.all_gather(mine).wait().expect("all_gather");
+    for (r, b) in gathered.iter().enumerate() {
+        assert_eq!(b.len(), 9000 + r);
+        assert!(b.iter().enumerate().all(|(i, x)| *x == (i * 7 + r) as u8));
+    }
+    let root = g.world_size() - 1;
+    let data = vec![g.rank() as f32 + 0.5; 5000];
+    let b = g.broadcast(data, root).wait().expect("broadcast");
+    assert!(b.iter().all(|x| *x == root as f32 + 0.5));
+    g.barrier().wait().expect("barrier");
+    out
+}
+
+#[test]
+fn shm_results_equal_tcp_results_bit_for_bit() {
+    for world in [2, 3] {
+        let by = |transport| {
+            run_world(world, opts(transport, 30), |g| {
+                assert_eq!(g.transport(), transport);
+                let port = store_port(&g);
+                // Rank 0 unlinks before its build returns, so before any collective completes.
+                g.barrier().wait().expect("barrier");
+                assert!(
+                    leftovers(port).is_empty(),
+                    "segment still named while running"
+                );
+                (run_all(&g), port)
+            })
+        };
+        let tcp = by(Transport::Tcp);
+        let shm = by(Transport::Shm);
+        for r in 0..world {
+            assert_eq!(tcp[r].0, tcp[0].0, "world {world}: ranks differ over tcp");
+            assert_eq!(
+                shm[r].0, tcp[r].0,
+                "world {world} rank {r}: shm differs from tcp"
+            );
+        }
+        assert!(leftovers(shm[0].1).is_empty());
+    }
+}
+
+#[test]
+fn auto_chooses_shm_on_one_host() {
+    run_world(2, options(10), |g| {
+        assert_eq!(g.transport(), Transport::Shm)
+    });
+}
+
+#[test]
+fn a_rank_that_leaves_is_named_at_once() {
+    let errors = run_world(3, opts(Transport::Shm, 20), |g| {
+        if g.rank() == 2 {
+            return None;
+        }
+        let start = Instant::now();
+        let e = g
+            .all_reduce(vec![1.0f32; 10_000], ReduceOp::Sum)
+            .wait()
+            .unwrap_err();
+        assert!(
+            start.elapsed() < Duration::from_secs(5),
+            "{:?}",
+            start.elapsed()
+        );
+        Some(e.to_string())
+    });
+    for e in errors.into_iter().flatten() {
+        assert!(e.contains("all_reduce #0"), "{e}");
+        assert!(e.contains("rank 2 left the group"), "{e}");
+    }
+}
+
+#[test]
+fn a_stalled_rank_is_named_after_the_timeout() {
+    let timeout = Duration::from_millis(800);
+    let mut o = opts(Transport::Shm, 1);
+    o.timeout = timeout;
+    let errors = run_world(3, o, |g| {
+        if g.rank() == 1 {
+            std::thread::sleep(timeout * 3);
+            return None;
+        }
+        let start = Instant::now();
+        let e = g
+            .all_reduce(vec![0.5f64; 3000], ReduceOp::Avg)
+            .wait()
+            .unwrap_err();
+        let took = start.elapsed();
+        assert!(took >= timeout && took < timeout * 2, "took {took:?}");
+        Some(e.to_string())
+    });
+    for e in errors.into_iter().flatten() {
+        assert!(e.contains("for rank 1 without progress"), "{e}");
+        assert!(e.contains("all_reduce #0 of 3000 x f64"), "{e}");
+    }
+}
+
+#[test]
+fn ranks_in_different_collectives_stop_with_a_desync_error() {
+    let errors = run_world(2, opts(Transport::Shm, 10), |g| {
+        let len = if g.rank() == 0 { 100 } else { 101 };
+        let e = g
+            .all_reduce(vec![1.0f32; len], ReduceOp::Sum)
+            .wait()
+            .unwrap_err();
+        let again = g.barrier().wait().unwrap_err();
+        assert!(again.to_string().contains("refused"), "{again}");
+        e.to_string()
+    });
+    for e in errors {
+        assert!(e.contains("desync"), "{e}");
+        assert!(e.contains("100 x f32") && e.contains("101 x f32"), "{e}");
+    }
+}
+
+#[test]
+fn a_rank_killed_mid_all_reduce_is_named_and_leaves_no_segment() {
+    let (world, victim) = (3, 1);
+    let timeout = Duration::from_secs(5);
+    let port = free_port("127.0.0.1").unwrap();
+    let mut ranks = Ranks(
+        (0..world)
+            .map(|r| {
+                let mut cmd = rank_command("loop", r, world, port);
+                cmd.env("BURN_DDP_TIMEOUT", timeout.as_secs().to_string())
+                    .env("BURN_DDP_TRANSPORT", "shm");
+                cmd.spawn().unwrap()
+            })
+            .collect(),
+    );
+    let (tx, rx) = mpsc::channel();
+    for child in &mut ranks.0 {
+        let out = child.stdout.take().unwrap();
+        let tx = tx.clone();
+        std::thread::spawn(move || {
+            for line in BufReader::new(out).lines().map_while(Result::ok) {
+                if line.contains("READY") {
+                    let _ = tx.send(line);
+                }
+            }
+        });
+    }
+    for _ in 0..world {
+        let line = rx
+            .recv_timeout(Duration::from_secs(120))
+            .expect("ranks never got going");
+        assert!(line.ends_with("READY shm"), "{line}");
+    }
+    assert!(
+        leftovers(port).is_empty(),
+        "segment still named while running"
+    );
+    std::thread::sleep(Duration::from_millis(100));
+    ranks.0[victim].kill().unwrap(); // SIGKILL
+    let killed_at = Instant::now();
+    for (r, child) in ranks.0.iter_mut().enumerate() {
+        if r == victim {
+            continue;
+        }
+        let (code, err) = finish(child, killed_at + timeout * 2);
+        assert_eq!(code, Some(COLLECTIVE_FAILED), "rank {r}: {err}");
+        let took = killed_at.elapsed();
+        assert!(took < timeout, "rank {r} took {took:?}");
+        let line = err
+            .lines()
+            .find(|l| l.contains("RANK_ERROR"))
+            .unwrap_or_default();
+        assert!(
+            line.contains(&format!("rank {victim} closed its connection")),
+            "rank {r}: {line}"
+        );
+        assert!(line.contains("all_reduce #"), "rank {r}: {line}");
+    }
+    assert!(leftovers(port).is_empty());
+}
