@@ -31,8 +31,9 @@ pub struct GroupOptions {
     /// How long a collective retries its sockets before sleeping in the poller (default 20 µs).
     /// Longer spins cut small-message latency but take a core from computation.
     pub spin: Duration,
-    /// The transport of collectives (default [`Transport::Auto`]: shared memory when every rank
-    /// runs on one host, TCP otherwise); `BURN_DDP_TRANSPORT` from the environment.
+    /// The transport of collectives (default [`Transport::Tcp`]; [`Transport::Auto`]: shared
+    /// memory when every rank runs on one host, TCP otherwise); `BURN_DDP_TRANSPORT` from the
+    /// environment.
     pub transport: Transport,
     /// Bytes of each rank's slot in the shared-memory segment (default 4 MiB); larger buffers
     /// move in rounds. The segment holds `world + 1` slots.
@@ -47,7 +48,7 @@ impl Default for GroupOptions {
             chunk_bytes: 512 << 10,
             max_gather_bytes: 1 << 30,
             spin: Duration::from_micros(20),
-            transport: Transport::Auto,
+            transport: Transport::Tcp,
             shm_slot_bytes: 4 << 20,
         }
     }
@@ -160,7 +161,8 @@ impl ProcessGroupBuilder {
         self.socket_ifname = Some(name.into());
         self
     }
-    /// The transport of collectives (default: shared memory when every rank is on one host).
+    /// The transport of collectives (default TCP; `Auto`: shared memory when every rank is on
+    /// one host).
     pub fn transport(mut self, transport: Transport) -> Self {
         self.options.transport = transport;
         self

@@ -107,9 +107,12 @@ fn shm_results_equal_tcp_results_bit_for_bit() {
 }
 
 #[test]
-fn auto_chooses_shm_on_one_host() {
-    run_world(2, options(10), |g| {
+fn auto_chooses_shm_on_one_host_and_tcp_stays_the_default() {
+    run_world(2, opts(Transport::Auto, 10), |g| {
         assert_eq!(g.transport(), Transport::Shm)
+    });
+    run_world(2, options(10), |g| {
+        assert_eq!(g.transport(), Transport::Tcp)
     });
 }
 

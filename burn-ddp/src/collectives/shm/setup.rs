@@ -20,10 +20,11 @@ pub const TRANSPORT_VAR: &str = "BURN_DDP_TRANSPORT";
 /// How the ranks of a group exchange collective data.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum Transport {
-    /// Shared memory when every rank runs on the same host, TCP otherwise (the default).
-    #[default]
+    /// Shared memory when every rank runs on the same host, TCP otherwise.
     Auto,
-    /// The TCP transport, always.
+    /// The TCP transport, always (the default, until shared memory has met its performance
+    /// targets and run the whole test suite: choose `auto` or `shm` to use it).
+    #[default]
     Tcp,
     /// Shared memory; forming the group fails when the ranks are not all on one host.
     Shm,
