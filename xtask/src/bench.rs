@@ -69,6 +69,9 @@ pub struct BenchTrain {
     /// Training samples per epoch [default: the quickstart's]
     #[arg(long, value_name = "N")]
     samples: Option<usize>,
+    /// The quickstart's network (`mlp`, or `mlp-large`: 784-1024-1024-10)
+    #[arg(long, value_name = "KIND", default_value = "mlp")]
+    model: String,
     /// Build in the dev profile (quick to build, not for figures)
     #[arg(long)]
     debug: bool,
@@ -104,7 +107,7 @@ pub fn bench_train(task: BenchTrain) -> Result<()> {
     let exe = build_cpu_program("quickstart", !task.debug)?;
     let scratch = std::env::temp_dir().join(format!("burn-ddp-bench-train-{}", std::process::id()));
     std::fs::create_dir_all(&scratch)?;
-    let run = |nproc: usize, plain: bool, extra: &[&str]| -> Result<Timing> {
+    let run = |nproc: usize, plain: bool, extra: &[&str], transport: &str| -> Result<Timing> {
         let report = scratch.join("report.txt");
         let mut args: Vec<String> = vec![
             "--quiet".into(),
@@ -116,6 +119,8 @@ pub fn bench_train(task: BenchTrain) -> Result<()> {
             report.display().to_string(),
             "--artifacts".into(),
             scratch.join("artifacts").display().to_string(),
+            "--model".into(),
+            task.model.clone(),
         ];
         if let Some(n) = task.samples {
             args.extend(["--samples".into(), n.to_string()]);
@@ -124,7 +129,10 @@ pub fn bench_train(task: BenchTrain) -> Result<()> {
             args.push("--plain".into());
         }
         args.extend(extra.iter().map(|s| s.to_string()));
-        launch(&LaunchConfig::new(exe.clone(), nproc).args(args)).context("quickstart run")?;
+        let cfg = LaunchConfig::new(exe.clone(), nproc)
+            .args(args)
+            .env("BURN_DDP_TRANSPORT", transport);
+        launch(&cfg).context("quickstart run")?;
         let text = std::fs::read_to_string(&report)?;
         let field = |name: &str| -> Result<f64> {
             text.split_whitespace()
@@ -140,42 +148,39 @@ pub fn bench_train(task: BenchTrain) -> Result<()> {
             bytes: field("bytes_per_step")?,
         })
     };
-    // (label, ranks, burn's own Learner, extra quickstart flags)
-    let runs: [(&str, usize, bool, &[&str]); 6] = [
-        ("burn Learner, 1 process", 1, true, &[]),
-        ("DdpLearner, world 1", 1, false, &[]),
-        ("DdpLearner, world 2", 2, false, &[]),
+    // (label, ranks, burn's own Learner, extra quickstart flags, transport)
+    let (bf16, fp16): (&[&str], &[&str]) = (&["--compression", "bf16"], &["--compression", "fp16"]);
+    let w2 = "DdpLearner, world 2";
+    let runs: [(String, usize, bool, &[&str], &str); 8] = [
+        ("burn Learner, 1 process".into(), 1, true, &[], "tcp"),
+        ("DdpLearner, world 1".into(), 1, false, &[], "tcp"),
+        (w2.into(), 2, false, &[], "tcp"),
         (
-            "DdpLearner, world 2, no desync check",
+            format!("{w2}, no desync check"),
             2,
             false,
             &["--no-desync-check"],
+            "tcp",
         ),
-        (
-            "DdpLearner, world 2, bf16 gradients",
-            2,
-            false,
-            &["--compression", "bf16"],
-        ),
-        (
-            "DdpLearner, world 2, fp16 gradients",
-            2,
-            false,
-            &["--compression", "fp16"],
-        ),
+        (format!("{w2}, bf16 gradients"), 2, false, bf16, "tcp"),
+        (format!("{w2}, fp16 gradients"), 2, false, fp16, "tcp"),
+        (format!("{w2}, shared memory"), 2, false, &[], "shm"),
+        (format!("{w2}, shm, bf16"), 2, false, bf16, "shm"),
     ];
     let mut timings: Vec<Vec<Timing>> = runs.iter().map(|_| Vec::new()).collect();
     for r in 0..repeats {
         eprintln!("bench-train: round {} of {repeats}", r + 1);
-        for ((_, nproc, plain, extra), t) in runs.iter().zip(&mut timings) {
-            t.push(run(*nproc, *plain, extra)?);
+        for ((_, nproc, plain, extra, transport), t) in runs.iter().zip(&mut timings) {
+            t.push(run(*nproc, *plain, extra, transport)?);
         }
     }
     let _ = std::fs::remove_dir_all(&scratch);
     let step = |t: &[Timing]| median(t.iter().map(Timing::per_step_ms).collect());
     let rate = |t: &[Timing]| median(t.iter().map(Timing::samples_per_sec).collect());
     println!(
-        "bench-train: quickstart MLP, {epochs} epochs, batch {batch} per rank, median of {repeats}"
+        "bench-train: quickstart --model {}, {epochs} epochs, batch {batch} per rank, median of \
+         {repeats}",
+        task.model
     );
     println!(
         "{:<38} {:>10} {:>12} {:>12}",
@@ -190,7 +195,7 @@ pub fn bench_train(task: BenchTrain) -> Result<()> {
             bytes
         );
     }
-    let [plain, ddp1, ddp2, unchecked, bf16, _fp16] = &timings[..] else {
+    let [plain, ddp1, ddp2, unchecked, bf16, _fp16, shm, _shm_bf16] = &timings[..] else {
         unreachable!("one timing list per run")
     };
     println!(
@@ -212,6 +217,10 @@ pub fn bench_train(task: BenchTrain) -> Result<()> {
         "bf16 gradients at world 2: step time ratio {:.3}, bytes per step ratio {:.3}",
         step(bf16) / step(ddp2),
         bf16[0].bytes / ddp2[0].bytes.max(1.0)
+    );
+    println!(
+        "shared memory at world 2: step time ratio {:.3} against TCP",
+        step(shm) / step(ddp2)
     );
     Ok(())
 }

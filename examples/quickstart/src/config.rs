@@ -19,6 +19,9 @@ pub enum ModelKind {
     /// The perceptron with burn-ddp's SyncBatchNorm after the hidden layer (statistics over
     /// every rank's batch).
     MlpSyncbn,
+    /// A larger perceptron for benchmarks, 784-1024-1024-10 (MNIST-sized inputs; 1.9 million
+    /// parameters), on synthetic data of that shape.
+    MlpLarge,
 }
 
 impl std::fmt::Display for ModelKind {
@@ -157,7 +160,7 @@ impl Default for Config {
              (burn-ddp-run, cargo xtask multi-cpu, torchrun, srun, mpirun)"
 )]
 pub struct Flags {
-    /// The network: an MLP, with BatchNorm, or with SyncBatchNorm
+    /// The network: an MLP, with BatchNorm, with SyncBatchNorm, or 784-1024-1024-10
     #[arg(long, value_name = "KIND")]
     pub model: Option<ModelKind>,
     /// Buffers (running statistics) across ranks: rank 0's every step, averaged per epoch, or

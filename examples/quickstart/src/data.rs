@@ -40,24 +40,41 @@ pub struct MyItem {
 pub struct MyDataset {
     len: usize,
     split: u64,
+    features: usize,
+    classes: usize,
 }
 
 impl MyDataset {
     /// The training split.
     pub fn train(len: usize) -> Self {
-        MyDataset { len, split: 1 }
+        MyDataset {
+            len,
+            split: 1,
+            features: FEATURES,
+            classes: CLASSES,
+        }
     }
     /// The validation split.
     pub fn valid(len: usize) -> Self {
-        MyDataset { len, split: 2 }
+        MyDataset {
+            split: 2,
+            ..Self::train(len)
+        }
+    }
+    /// The same set with `features` inputs and `classes` classes (default [`FEATURES`] and
+    /// [`CLASSES`]).
+    pub fn shape(mut self, features: usize, classes: usize) -> Self {
+        self.features = features;
+        self.classes = classes;
+        self
     }
 }
 
 impl Dataset<MyItem> for MyDataset {
     fn get(&self, index: usize) -> Result<MyItem, DatasetError> {
         let key = (self.split << 32) ^ index as u64;
-        let y = (splitmix(key) % CLASSES as u64) as usize;
-        let mut x = vec![0f32; FEATURES];
+        let y = (splitmix(key) % self.classes as u64) as usize;
+        let mut x = vec![0f32; self.features];
         for (f, v) in x.iter_mut().enumerate() {
             let centre = unit(((y as u64) << 8) ^ f as u64 ^ 0xc0ffee) * 4.0 - 2.0;
             let noise = unit(key.wrapping_mul(31) ^ ((f as u64) << 48)) * 2.0 - 1.0;

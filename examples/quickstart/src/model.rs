@@ -36,28 +36,50 @@ impl Norm {
     }
 }
 
-/// A two-layer perceptron, optionally with batch normalisation after the hidden layer.
+/// A two-layer perceptron, optionally with batch normalisation after the hidden layer, or the
+/// three-layer 784-1024-1024-10 one.
 #[derive(Module, Debug)]
 pub struct MyModel {
     hidden: Linear,
     norm: Option<Norm>,
+    /// The second hidden layer of the large perceptron.
+    hidden2: Option<Linear>,
     out: Linear,
     act: Relu,
 }
+
+/// Units of the large perceptron's hidden layers.
+const LARGE_HIDDEN: usize = 1024;
+
+/// Inputs and classes of the large perceptron's data.
+pub const LARGE_SHAPE: (usize, usize) = (784, 10);
 
 impl MyModel {
     /// A freshly initialised model of `kind` for `features` inputs and `classes` outputs.
     pub fn init(device: &Device, kind: ModelKind, features: usize, classes: usize) -> Self {
         let config = BatchNormConfig::new(HIDDEN);
         let norm = match kind {
-            ModelKind::Mlp => None,
+            ModelKind::Mlp | ModelKind::MlpLarge => None,
             ModelKind::MlpBn => Some(Norm::Batch(config.init(device))),
             ModelKind::MlpSyncbn => Some(Norm::Sync(config.init_sync(device))),
         };
+        let (hidden, hidden2) = match kind {
+            ModelKind::MlpLarge => (
+                LinearConfig::new(features, LARGE_HIDDEN).init(device),
+                Some(LinearConfig::new(LARGE_HIDDEN, LARGE_HIDDEN).init(device)),
+            ),
+            _ => (LinearConfig::new(features, HIDDEN).init(device), None),
+        };
+        let width = if hidden2.is_some() {
+            LARGE_HIDDEN
+        } else {
+            HIDDEN
+        };
         MyModel {
-            hidden: LinearConfig::new(features, HIDDEN).init(device),
+            hidden,
             norm,
-            out: LinearConfig::new(HIDDEN, classes).init(device),
+            hidden2,
+            out: LinearConfig::new(width, classes).init(device),
             act: Relu::new(),
         }
     }
@@ -67,7 +89,11 @@ impl MyModel {
         if let Some(norm) = &self.norm {
             hidden = norm.forward(hidden);
         }
-        let logits = self.out.forward(self.act.forward(hidden));
+        let mut hidden = self.act.forward(hidden);
+        if let Some(layer) = &self.hidden2 {
+            hidden = self.act.forward(layer.forward(hidden));
+        }
+        let logits = self.out.forward(hidden);
         let loss = CrossEntropyLossConfig::new()
             .init(&logits.device())
             .forward(logits.clone(), batch.targets.clone());

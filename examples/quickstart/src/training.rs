@@ -16,9 +16,9 @@ use burn_ddp::train::{
     ProgressOutput, QuietRenderer,
 };
 
-use crate::config::Config;
+use crate::config::{Config, ModelKind};
 use crate::data::{CLASSES, DIGIT_PIXELS, Data, Digits, FEATURES, MyBatcher, MyDataset};
-use crate::model::{MyModel, accuracy};
+use crate::model::{LARGE_SHAPE, MyModel, accuracy};
 
 /// What a run measured.
 #[derive(Debug, Clone)]
@@ -109,12 +109,18 @@ fn cuda_device(local_rank: usize) -> Result<Device> {
 pub fn run(group: Arc<ProcessGroup>, cfg: &Config) -> Result<Report> {
     let device = device(&cfg.device, group.local_rank())?;
     let (train_data, valid_data, features, classes) = match &cfg.digits {
-        None => (
-            Data::Synthetic(MyDataset::train(cfg.samples)),
-            Data::Synthetic(MyDataset::valid(cfg.samples / 4)),
-            FEATURES,
-            CLASSES,
-        ),
+        None => {
+            let (features, classes) = match cfg.model {
+                ModelKind::MlpLarge => LARGE_SHAPE,
+                _ => (FEATURES, CLASSES),
+            };
+            (
+                Data::Synthetic(MyDataset::train(cfg.samples).shape(features, classes)),
+                Data::Synthetic(MyDataset::valid(cfg.samples / 4).shape(features, classes)),
+                features,
+                classes,
+            )
+        }
         Some(path) => {
             let (train, valid) = Digits::load(path)?.split();
             (train, valid, DIGIT_PIXELS, 10)
