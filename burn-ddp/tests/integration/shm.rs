@@ -1,8 +1,6 @@
 //! The shared-memory transport: the same bits as the TCP transport, failures named, desyncs
 //! caught, and nothing left in /dev/shm (after a clean exit, while running, after a SIGKILL).
 
-use std::io::{BufRead, BufReader};
-use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 use burn_ddp::launch::free_port;
@@ -10,7 +8,7 @@ use burn_ddp::{GroupOptions, ProcessGroup, ReduceOp, Transport};
 use half::{bf16, f16};
 
 use crate::common::{TestFloat, digest, options, rank_data, run_world};
-use crate::processes::{COLLECTIVE_FAILED, Ranks, finish, rank_command};
+use crate::processes::{kill_and_expect_named, looping_ranks};
 
 /// Options with `transport` and small slots, so that buffers move in several rounds.
 fn opts(transport: Transport, timeout_secs: u64) -> GroupOptions {
@@ -188,58 +186,15 @@ fn a_rank_killed_mid_all_reduce_is_named_and_leaves_no_segment() {
     let (world, victim) = (3, 1);
     let timeout = Duration::from_secs(5);
     let port = free_port("127.0.0.1").unwrap();
-    let mut ranks = Ranks(
-        (0..world)
-            .map(|r| {
-                let mut cmd = rank_command("loop", r, world, port);
-                cmd.env("BURN_DDP_TIMEOUT", timeout.as_secs().to_string())
-                    .env("BURN_DDP_TRANSPORT", "shm");
-                cmd.spawn().unwrap()
-            })
-            .collect(),
-    );
-    let (tx, rx) = mpsc::channel();
-    for child in &mut ranks.0 {
-        let out = child.stdout.take().unwrap();
-        let tx = tx.clone();
-        std::thread::spawn(move || {
-            for line in BufReader::new(out).lines().map_while(Result::ok) {
-                if line.contains("READY") {
-                    let _ = tx.send(line);
-                }
-            }
-        });
-    }
-    for _ in 0..world {
-        let line = rx
-            .recv_timeout(Duration::from_secs(120))
-            .expect("ranks never got going");
+    let (mut ranks, ready) = looping_ranks(world, port, timeout, &[("BURN_DDP_TRANSPORT", "shm")]);
+    for line in ready {
         assert!(line.ends_with("READY shm"), "{line}");
     }
     assert!(
         leftovers(port).is_empty(),
         "segment still named while running"
     );
-    std::thread::sleep(Duration::from_millis(100));
-    ranks.0[victim].kill().unwrap(); // SIGKILL
-    let killed_at = Instant::now();
-    for (r, child) in ranks.0.iter_mut().enumerate() {
-        if r == victim {
-            continue;
-        }
-        let (code, err) = finish(child, killed_at + timeout * 2);
-        assert_eq!(code, Some(COLLECTIVE_FAILED), "rank {r}: {err}");
-        let took = killed_at.elapsed();
-        assert!(took < timeout, "rank {r} took {took:?}");
-        let line = err
-            .lines()
-            .find(|l| l.contains("RANK_ERROR"))
-            .unwrap_or_default();
-        assert!(
-            line.contains(&format!("rank {victim} closed its connection")),
-            "rank {r}: {line}"
-        );
-        assert!(line.contains("all_reduce #"), "rank {r}: {line}");
-    }
+    // A dead peer is seen through its connection at once, not after the timeout.
+    kill_and_expect_named(&mut ranks, victim, timeout);
     assert!(leftovers(port).is_empty());
 }

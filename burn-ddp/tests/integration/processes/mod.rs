@@ -11,8 +11,10 @@ mod launcher;
 mod ranks;
 mod training;
 
+use std::io::{BufRead, BufReader};
 use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
+use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 use burn_ddp::env::AGENT_STORE_VAR;
@@ -167,6 +169,80 @@ impl Drop for Ranks {
             let _ = c.wait();
         }
     }
+}
+
+/// `world` ranks of the `loop` scenario (all-reduces until killed) on `port`, with
+/// `BURN_DDP_TIMEOUT` = `timeout` and the extra environment `env`; returns once every rank has
+/// printed its READY line, with those lines.
+pub(crate) fn looping_ranks(
+    world: usize,
+    port: u16,
+    timeout: Duration,
+    env: &[(&str, &str)],
+) -> (Ranks, Vec<String>) {
+    let mut ranks = Ranks(
+        (0..world)
+            .map(|r| {
+                let mut cmd = rank_command("loop", r, world, port);
+                cmd.env("BURN_DDP_TIMEOUT", timeout.as_secs().to_string())
+                    .envs(env.iter().copied());
+                cmd.spawn().unwrap()
+            })
+            .collect(),
+    );
+    let (tx, rx) = mpsc::channel();
+    for child in &mut ranks.0 {
+        let out = child.stdout.take().unwrap();
+        let tx = tx.clone();
+        std::thread::spawn(move || {
+            for line in BufReader::new(out).lines().map_while(Result::ok) {
+                if line.contains("READY") {
+                    let _ = tx.send(line);
+                }
+            }
+        });
+    }
+    let ready = (0..world)
+        .map(|_| {
+            rx.recv_timeout(Duration::from_secs(120))
+                .expect("ranks never got going")
+        })
+        .collect();
+    (ranks, ready)
+}
+
+/// SIGKILLs rank `victim` of `ranks`; every other rank must exit with [`COLLECTIVE_FAILED`]
+/// within `within`, naming the victim in an all-reduce. Returns their error lines.
+pub(crate) fn kill_and_expect_named(
+    ranks: &mut Ranks,
+    victim: usize,
+    within: Duration,
+) -> Vec<String> {
+    std::thread::sleep(Duration::from_millis(100));
+    ranks.0[victim].kill().unwrap(); // SIGKILL
+    let killed_at = Instant::now();
+    let mut lines = Vec::new();
+    for (r, child) in ranks.0.iter_mut().enumerate() {
+        if r == victim {
+            continue;
+        }
+        let (code, err) = finish(child, killed_at + within + Duration::from_secs(1));
+        let took = killed_at.elapsed();
+        assert_eq!(code, Some(COLLECTIVE_FAILED), "rank {r}: {err}");
+        assert!(took < within, "rank {r} took {took:?}");
+        let line = err
+            .lines()
+            .find(|l| l.contains("RANK_ERROR"))
+            .unwrap_or_default()
+            .to_string();
+        assert!(
+            line.contains(&format!("rank {victim} closed its connection")),
+            "rank {r}: {line}"
+        );
+        assert!(line.contains("all_reduce #"), "rank {r}: {line}");
+        lines.push(line);
+    }
+    lines
 }
 
 /// Waits for a child with a bound; returns its exit code and stderr.
