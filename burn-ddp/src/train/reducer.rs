@@ -38,7 +38,7 @@ use super::compression::Compression;
 use super::fingerprint::{FINGERPRINT_LEN, Fingerprint};
 use super::params::{ParamInfo, layout};
 use super::telemetry::StepStats;
-use super::telemetry::trace::{COMMUNICATION, COMPUTE, Trace};
+use super::telemetry::trace::{COMMUNICATION, COMPUTE, Span, Trace};
 use crate::ProcessGroup;
 use crate::collectives::ReduceOp;
 use crate::error::{DdpError, Result};
@@ -229,7 +229,7 @@ impl GradientReducer {
             stats.pack += (sent - packing).as_secs_f64();
             first_sent.get_or_insert(sent);
             if let Some(trace) = trace {
-                trace.span(format!("pack bucket {}", b + 1), COMPUTE, packing, sent);
+                trace.span(Span::bucket("pack bucket", b), COMPUTE, packing, sent);
             }
             let work = self.compression.start(&self.group, bucket, &device)?;
             pending.push((work, sent));
@@ -246,7 +246,7 @@ impl GradientReducer {
             stats.exposed += (received - waiting).as_secs_f64();
             if let Some(trace) = trace {
                 trace.span(
-                    format!("all-reduce bucket {}", b + 1),
+                    Span::bucket("all-reduce bucket", b),
                     COMMUNICATION,
                     sent,
                     received,
@@ -265,7 +265,7 @@ impl GradientReducer {
             flat: reduced.into_iter(),
         });
         if let Some(trace) = trace {
-            trace.span("unpack", COMPUTE, unpacking, Instant::now());
+            trace.span(Span::named("unpack"), COMPUTE, unpacking, Instant::now());
         }
         stats.communication = first_sent.map_or(0.0, |t| (unpacking - t).as_secs_f64());
         stats.bytes = self.bytes_per_step() as f64;

@@ -27,7 +27,7 @@ use super::gather::GlobalItem;
 use super::reducer::GradientReducer;
 use super::sampler::DistributedSampler;
 use super::stop::Stop;
-use super::telemetry::trace::{COMPUTE, Trace};
+use super::telemetry::trace::{COMPUTE, Span, Trace};
 use crate::ProcessGroup;
 use crate::error::{DdpError, Result};
 use crate::signals::StopSignals;
@@ -116,7 +116,7 @@ impl DdpStrategy {
                     let done = Instant::now();
                     compute += (done - started).as_secs_f64();
                     if let Some(trace) = trace {
-                        trace.span("forward+backward", COMPUTE, started, done);
+                        trace.span(Span::named("forward+backward"), COMPUTE, started, done);
                     }
                     (Some(out.item), Some(out.grads))
                 }
@@ -159,7 +159,12 @@ impl DdpStrategy {
                 learner.lr_step();
                 learner.optimizer_step(grads);
                 if let Some(trace) = trace {
-                    trace.span("optimizer step", COMPUTE, stepping, Instant::now());
+                    trace.span(
+                        Span::named("optimizer step"),
+                        COMPUTE,
+                        stepping,
+                        Instant::now(),
+                    );
                 }
                 // Optimizer steps of the epoch so far; the epoch's end has its own checkpoint.
                 let steps = iteration / accumulation.unwrap_or(1);
