@@ -13,7 +13,8 @@ use std::sync::Arc;
 use burn::module::Module;
 use burn::tensor::Tensor;
 
-use super::params::{Assign, Flatten, Select, flat_values};
+use super::checkpoint::checksum;
+use super::params::{Assign, Flatten, Select, flat_values, layout};
 use crate::ProcessGroup;
 use crate::collectives::{ReduceOp, Work};
 use crate::error::{DdpError, Result};
@@ -60,10 +61,19 @@ pub(crate) struct Buffers {
 /// Rank 0's buffers on their way (see [`Buffers::start_step`]).
 pub(crate) struct PendingBuffers(Work<Tensor<1>>);
 
+impl PendingBuffers {
+    /// Writes rank 0's buffers into `model` (a clone of the learner's: they share the running
+    /// states).
+    pub(crate) fn finish<M: Module>(self, model: M) -> Result<()> {
+        Assign::module(model, Select::Buffers, self.0.wait()?);
+        Ok(())
+    }
+}
+
 impl Buffers {
     /// Buffer synchronisation for `model` (on its training device) in `group`.
     pub(crate) fn new<M: Module>(mode: BufferSync, group: Arc<ProcessGroup>, model: &M) -> Self {
-        let has_buffers = Flatten::module(model, Select::Buffers).is_some();
+        let has_buffers = layout(model).iter().any(|p| !p.trainable);
         let active = has_buffers && group.world_size() > 1 && mode != BufferSync::Off;
         Buffers {
             mode,
@@ -81,18 +91,6 @@ impl Buffers {
         }
         let flat = current(model)?;
         Some(PendingBuffers(self.group.broadcast(flat, 0)))
-    }
-
-    /// Writes rank 0's buffers, started by [`Buffers::start_step`], into `model`.
-    pub(crate) fn finish_step<M: Module>(
-        &self,
-        pending: Option<PendingBuffers>,
-        model: &M,
-    ) -> Result<()> {
-        if let Some(PendingBuffers(work)) = pending {
-            Assign::module(model.clone(), Select::Buffers, work.wait()?);
-        }
-        Ok(())
     }
 
     /// At the end of a training epoch and before a checkpoint: merges the buffers' pending
@@ -135,16 +133,6 @@ fn current<M: Module>(model: &M) -> Option<Tensor<1>> {
     Flatten::module(model, Select::Buffers)
 }
 
-/// FNV-1a of `values`' bytes.
-fn digest(values: &[f32]) -> u64 {
-    values
-        .iter()
-        .flat_map(|x| x.to_le_bytes())
-        .fold(0xcbf2_9ce4_8422_2325, |h, b| {
-            (h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3)
-        })
-}
-
 /// The replica check: every rank's `values` (its model, flattened) hashed and gathered; a rank
 /// whose hash differs from rank 0's is a disagreement naming it. Costs one read of the model
 /// to the host and an all-gather of 8 bytes per rank.
@@ -153,7 +141,11 @@ pub(crate) fn check_replicas(group: &ProcessGroup, values: &[f32], when: &str) -
         return Ok(());
     }
     let all = group
-        .all_gather(digest(values).to_le_bytes().to_vec())
+        .all_gather(
+            checksum(bytemuck::cast_slice(values))
+                .to_le_bytes()
+                .to_vec(),
+        )
         .wait()?;
     let differ: Vec<usize> = (1..all.len()).filter(|&r| all[r] != all[0]).collect();
     if differ.is_empty() {

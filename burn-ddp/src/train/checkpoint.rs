@@ -139,8 +139,9 @@ pub(crate) struct Snapshot {
     scheduler: Vec<u8>,
 }
 
-/// FNV-1a over the file body, to tell a damaged file from a valid one.
-fn checksum(bytes: &[u8]) -> u64 {
+/// FNV-1a of `bytes`: the checkpoint file's checksum (to tell a damaged file from a valid one),
+/// and the replicas' digest in the replica check.
+pub(crate) fn checksum(bytes: &[u8]) -> u64 {
     bytes.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
         (h ^ *b as u64).wrapping_mul(0x100_0000_01b3)
     })

@@ -21,7 +21,7 @@ mod state;
 
 use split::{Batch, SplitEnd, SplitItems};
 
-use super::buffers::Buffers;
+use super::buffers::{Buffers, PendingBuffers};
 use super::checkpoint::{CheckpointConfig, Position};
 use super::gather::GlobalItem;
 use super::reducer::GradientReducer;
@@ -102,12 +102,14 @@ impl DdpStrategy {
         // Rank 0's buffers of the last optimizer step, on their way: applied before the next
         // forward pass (PyTorch's timing), so their broadcast travels during the optimizer
         // step and the loading of the next batch.
-        let mut buffers = None;
+        let mut buffers: Option<PendingBuffers> = None;
         // Forward and backward time since the last optimizer step (accumulated micro-steps).
         let mut compute = 0.0;
         let trace = self.trace.as_deref();
         let mut step = |batch: Batch<_>, progress: &Progress, iteration: usize| {
-            self.buffers.finish_step(buffers.take(), &learner.model())?;
+            if let Some(pending) = buffers.take() {
+                pending.finish(learner.model())?;
+            }
             let end = matches!(batch, Batch::End);
             let (item, grads) = match batch {
                 Batch::Item(item) => {
@@ -175,7 +177,9 @@ impl DdpStrategy {
                         samples: from.samples + progress.items_processed,
                         world_size: self.group.world_size(),
                     };
-                    self.buffers.finish_step(buffers.take(), &learner.model())?;
+                    if let Some(pending) = buffers.take() {
+                        pending.finish(learner.model())?;
+                    }
                     self.checkpoint(learner, at, events)?;
                     self.group.status().step(iteration);
                 }
@@ -192,7 +196,9 @@ impl DdpStrategy {
             process,
             interrupter,
         )?;
-        self.buffers.finish_step(buffers, &learner.model())?;
+        if let Some(pending) = buffers {
+            pending.finish(learner.model())?;
+        }
         Ok(end)
     }
 
