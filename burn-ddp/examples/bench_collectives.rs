@@ -6,7 +6,7 @@
 //! Run it under a launcher (`burn-ddp-run --nproc 2 target/release/examples/bench_collectives`)
 //! or through `cargo xtask bench-collectives --world 2`; it forms its group from the
 //! launcher's environment. Flags (`--help`): `--sizes 4K,64M`, `--chunk 512K`, `--spin-us 20`,
-//! `--op sum|avg|max`, `--transport tcp|shm|auto`, `--shm-slot 4M`.
+//! `--op sum|avg|max`, `--transport tcp|shm|auto`, `--shm-slot 1M`.
 
 use std::time::{Duration, Instant};
 
@@ -79,7 +79,7 @@ struct Args {
     #[arg(long, value_name = "KIND", default_value = "tcp", value_parser = parse_transport)]
     transport: Transport,
     /// Bytes of each rank's slot in the shared-memory segment
-    #[arg(long, value_name = "BYTES", value_parser = parse_size, default_value = "4M")]
+    #[arg(long, value_name = "BYTES", value_parser = parse_size, default_value = "1M")]
     shm_slot: usize,
 }
 

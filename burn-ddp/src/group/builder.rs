@@ -35,9 +35,14 @@ pub struct GroupOptions {
     /// memory when every rank runs on one host, TCP otherwise); `BURN_DDP_TRANSPORT` from the
     /// environment.
     pub transport: Transport,
-    /// Bytes of each rank's slot in the shared-memory segment (default 4 MiB); larger buffers
+    /// Bytes of each rank's slot in the shared-memory segment (default 1 MiB); larger buffers
     /// move in rounds. The segment holds `world + 1` slots.
     pub shm_slot_bytes: usize,
+    /// This rank's host as the transport groups ranks: ranks with the same host identity
+    /// share memory, the others talk over TCP (default `None`: detected from the host name,
+    /// the boot id and the network namespace). Setting it makes one machine act as several
+    /// hosts, for tests and benchmarks of the hierarchical all-reduce.
+    pub host_id: Option<String>,
 }
 
 impl Default for GroupOptions {
@@ -49,7 +54,8 @@ impl Default for GroupOptions {
             max_gather_bytes: 1 << 30,
             spin: Duration::from_micros(20),
             transport: Transport::Tcp,
-            shm_slot_bytes: 4 << 20,
+            shm_slot_bytes: 1 << 20,
+            host_id: None,
         }
     }
 }
@@ -292,9 +298,10 @@ impl ProcessGroupBuilder {
                 slot_bytes: options.shm_slot_bytes,
                 timeout: options.timeout,
                 spin: options.spin,
+                host: options.host_id.clone(),
             };
-            if let Some(channel) = negotiate(&request, &store, deadline)? {
-                transport.use_shm(channel);
+            if let Some(setup) = negotiate(&request, &store, deadline)? {
+                transport.use_shm(setup);
             }
         }
         let in_use = if transport.uses_shm() {

@@ -34,12 +34,22 @@ pub fn run_world_with_secret<T: Send>(
     secret: Option<JobSecret>,
     f: impl Fn(ProcessGroup) -> T + Sync,
 ) -> Vec<T> {
+    run_world_each(n, |_| opts.clone(), secret, f)
+}
+
+/// As [`run_world_with_secret`], with each rank's options from `opts`.
+pub fn run_world_each<T: Send>(
+    n: usize,
+    opts: impl Fn(usize) -> GroupOptions,
+    secret: Option<JobSecret>,
+    f: impl Fn(ProcessGroup) -> T + Sync,
+) -> Vec<T> {
     let server = StoreServer::bind_with_secret("127.0.0.1:0", secret.clone()).expect("store");
     let port = server.local_addr().port();
     std::thread::scope(|s| {
         let handles: Vec<_> = (0..n)
             .map(|rank| {
-                let (f, opts, secret) = (&f, opts.clone(), secret.clone());
+                let (f, opts, secret) = (&f, opts(rank), secret.clone());
                 s.spawn(move || {
                     let mut builder = ProcessGroup::builder(rank, n)
                         .master_addr("127.0.0.1")

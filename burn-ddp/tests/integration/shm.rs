@@ -7,7 +7,7 @@ use burn_ddp::launch::free_port;
 use burn_ddp::{GroupOptions, ProcessGroup, ReduceOp, Transport};
 use half::{bf16, f16};
 
-use crate::common::{TestFloat, digest, options, rank_data, run_world};
+use crate::common::{TestFloat, digest, options, rank_data, run_world, run_world_each};
 use crate::processes::{kill_and_expect_named, looping_ranks};
 
 /// Options with `transport` and small slots, so that buffers move in several rounds.
@@ -102,6 +102,74 @@ fn shm_results_equal_tcp_results_bit_for_bit() {
         }
         assert!(leftovers(shm[0].1).is_empty());
     }
+}
+
+/// Integer-valued data (exact sums in any order), so a hierarchical all-reduce must give the
+/// bits of the flat TCP ring.
+fn integer_results(g: &ProcessGroup) -> Vec<u64> {
+    let mut out = Vec::new();
+    for len in [0, 1, 7, 1000, 3 * 4096 + 5, 40_000] {
+        for op in [ReduceOp::Sum, ReduceOp::Avg, ReduceOp::Max, ReduceOp::Min] {
+            let mine: Vec<f32> = (0..len)
+                .map(|i| ((i * 7 + g.rank() * 13) % 101) as f32 - 50.0)
+                .collect();
+            let r = g.all_reduce(mine, op).wait().expect("all_reduce");
+            if op == ReduceOp::Sum && len > 0 {
+                let want: f32 = (0..g.world_size())
+                    .map(|q| ((len - 1) * 7 + q * 13) as f32 % 101.0 - 50.0)
+                    .sum();
+                assert_eq!(r[len - 1], want, "sum of the last element");
+            }
+            out.push(digest(bytemuck::cast_slice(&r)));
+        }
+    }
+    out
+}
+
+#[test]
+fn hierarchical_all_reduce_across_simulated_hosts_equals_the_flat_ring() {
+    // (hosts, ranks per host); host of rank r is r % hosts, so a host's ranks are not contiguous.
+    for (hosts, per_host) in [(2, 2), (3, 2), (2, 3)] {
+        let world = hosts * per_host;
+        let host_opts = |rank: usize| GroupOptions {
+            host_id: Some(format!("simulated-host-{}", rank % hosts)),
+            ..opts(Transport::Shm, 30)
+        };
+        let hier = run_world_each(world, host_opts, None, |g| {
+            assert_eq!(g.transport(), Transport::Shm);
+            let ints = integer_results(&g);
+            (ints, run_all(&g))
+        });
+        let flat = run_world(world, opts(Transport::Tcp, 30), |g| integer_results(&g));
+        for r in 0..world {
+            let what = format!("{hosts} hosts x {per_host}, rank {r}");
+            assert_eq!(
+                hier[r].0, flat[r],
+                "{what}: hierarchical differs from the ring"
+            );
+            assert_eq!(hier[r].1, hier[0].1, "{what}: ranks differ");
+        }
+    }
+}
+
+#[test]
+fn auto_stays_on_tcp_where_hosts_have_different_numbers_of_ranks() {
+    let transports = run_world_each(
+        3,
+        |rank| GroupOptions {
+            host_id: Some(format!("h{}", rank.min(1))),
+            ..opts(Transport::Auto, 10)
+        },
+        None,
+        |g| {
+            let r = g
+                .all_reduce(vec![g.rank() as f32; 10], ReduceOp::Sum)
+                .wait();
+            assert_eq!(r.expect("all_reduce"), vec![3.0; 10]);
+            g.transport()
+        },
+    );
+    assert_eq!(transports, vec![Transport::Tcp; 3]);
 }
 
 #[test]

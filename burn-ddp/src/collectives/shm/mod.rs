@@ -1,8 +1,8 @@
-//! The shared-memory transport, for groups whose ranks all run on one host: collectives move
-//! through one POSIX shared-memory segment instead of sockets.
+//! The shared-memory transport, for the ranks of a group that run on one host: collectives move
+//! through one POSIX shared-memory segment per host instead of sockets.
 //!
-//! - `setup` decides at rendezvous whether the group uses it (every rank on the same host, by
-//!   host name and boot id, and `BURN_DDP_TRANSPORT` allowing it) and sets the segment up;
+//! - `setup` decides at rendezvous whether the group uses it (ranks grouped by host: host name,
+//!   boot id and network namespace; `BURN_DDP_TRANSPORT` allowing it) and sets the segments up;
 //! - `segment` lays the segment out (a control block and a data slot per rank, a result area)
 //!   and creates, opens and unlinks it;
 //! - `mapping` holds all of burn-ddp's `unsafe`: the mapping and raw copies in and out of it.
@@ -15,10 +15,14 @@
 //! briefly while checking the peers' TCP connections (still open from the rendezvous), so a
 //! peer that dies or leaves is named at once; one that merely stops is named after the timeout.
 //!
-//! All-reduce: the buffer is cut into one segment per rank as by the TCP ring, and processed in
-//! rounds of one piece per segment. Each rank copies its pieces into its slot; rank `s` reduces
-//! piece `s` over every rank's copy in the ring's order (so results are bit-identical to the TCP
-//! transport's) into the result area; every rank copies the results out.
+//! All-reduce: the buffer is cut into one segment per rank of the host as by the TCP ring, and
+//! processed in rounds of one piece per segment. Each rank copies its pieces into its slot; rank
+//! `s` reduces piece `s` over every rank's copy in the ring's order (so on one host results are
+//! bit-identical to the TCP transport's) into the result area; every rank copies the results
+//! out. On several hosts (hierarchical all-reduce), between the reduction and the result area
+//! local rank `s` all-reduces its piece with the local ranks `s` of the other hosts, over TCP
+//! ([`Peers::across_hosts`]): every byte crosses between hosts once per direction, and the ranks
+//! of a host share the work.
 
 mod mapping;
 mod ops;
@@ -37,43 +41,69 @@ const YIELD_FOR: Duration = Duration::from_millis(1);
 /// Sleep between checks once waiting is long.
 const NAP: Duration = Duration::from_micros(50);
 
-/// A peer this rank found at fault, and what happened.
+/// A peer this rank found at fault (its rank in the group), and what happened.
 #[derive(Debug)]
 pub(crate) struct Fault {
     pub peer: usize,
     pub detail: String,
 }
 
-/// Checks the connection to a peer this rank waits for: `Some(what happened)` when it closed or
-/// said goodbye.
-pub(crate) type PeerCheck<'a> = dyn FnMut(usize) -> Option<String> + 'a;
+/// What the shared-memory collectives need of the network (the TCP transport provides it).
+pub(crate) trait Peers {
+    /// Checks the connection to `peer` (a rank of the group) this rank waits for:
+    /// `Some(what happened)` when it closed or said goodbye.
+    fn gone(&mut self, peer: usize) -> Option<String>;
 
-/// One rank's end of the shared-memory segment.
+    /// All-reduces this rank's reduced `piece` with the same piece on the other hosts (the
+    /// ranks of the same local rank), summing for an average: the middle of a hierarchical
+    /// all-reduce. Only called on channels of several hosts.
+    fn across_hosts(&mut self, piece: &mut [u8]) -> Result<(), Fault>;
+}
+
+/// One rank's end of its host's shared-memory segment.
 pub(crate) struct ShmChannel {
+    /// This rank's index among the ranks of its host.
     rank: usize,
+    /// Ranks on this host.
     world: usize,
+    /// The group ranks of the host's ranks, by local index.
+    ranks: Vec<usize>,
+    /// Hosts of the group (each with `world` ranks): 1, or more for a hierarchical all-reduce.
+    hosts: usize,
     map: Mapping,
     layout: Layout,
     /// Steps this rank completed (the value of its counter).
     step: u64,
     timeout: Duration,
     spin: Duration,
-    /// Two chunk buffers for the reduction chain (`u64` to be aligned for every element type).
-    scratch: [Vec<u64>; 2],
+    /// A peer's chunk during the reduction (`u64` to be aligned for every element type).
+    scratch: Vec<u64>,
 }
 
 impl ShmChannel {
-    fn new(rank: usize, map: Mapping, layout: Layout, timeout: Duration, spin: Duration) -> Self {
-        debug_assert!(map.len() >= layout.len());
+    /// The channel of local rank `rank` among the host's `ranks` (group ranks), in a group of
+    /// `hosts` such hosts.
+    fn new(
+        rank: usize,
+        ranks: Vec<usize>,
+        hosts: usize,
+        map: Mapping,
+        layout: Layout,
+        timeouts: (Duration, Duration),
+    ) -> Self {
+        debug_assert!(map.len() >= layout.len() && ranks.len() == layout.world);
+        let (timeout, spin) = timeouts;
         ShmChannel {
             rank,
             world: layout.world,
+            ranks,
+            hosts,
             map,
             layout,
             step: 0,
             timeout,
             spin,
-            scratch: [Vec::new(), Vec::new()],
+            scratch: Vec::new(),
         }
     }
 
@@ -103,6 +133,19 @@ impl ShmChannel {
         }
     }
 
+    /// Whether the group spans several hosts (a hierarchical all-reduce).
+    pub(crate) fn spans_hosts(&self) -> bool {
+        self.hosts > 1
+    }
+
+    /// A fault of local rank `peer`, named by its group rank.
+    fn fault(&self, peer: usize, detail: String) -> Fault {
+        Fault {
+            peer: self.ranks[peer],
+            detail,
+        }
+    }
+
     /// Checks every peer published the same operation as this rank (`aux` too when `same_aux`);
     /// returns every rank's operand.
     fn check_ops(&self, op: &OpDesc, aux: u64, same_aux: bool) -> Result<Vec<u64>, Fault> {
@@ -117,16 +160,17 @@ impl ShmChannel {
             let peer_aux = self.load(peer, Field::Aux);
             let mine = (op.kind as u64, op.seq, op.dtype as u64, op.bytes);
             if peer != self.rank && (theirs != mine || (same_aux && peer_aux != aux)) {
-                return Err(Fault {
+                return Err(self.fault(
                     peer,
-                    detail: format!(
-                        "ranks disagree on the collective (desync): rank {peer} runs {} while \
+                    format!(
+                        "ranks disagree on the collective (desync): rank {} runs {} while \
                          rank {} runs {}",
+                        self.ranks[peer],
                         describe(theirs, peer_aux),
-                        self.rank,
+                        self.ranks[self.rank],
                         describe(mine, aux)
                     ),
-                });
+                ));
             }
             auxes.push(peer_aux);
         }
@@ -134,7 +178,7 @@ impl ShmChannel {
     }
 
     /// Ends this rank's step and waits until every peer ended it too.
-    fn step(&mut self, check: &mut PeerCheck<'_>) -> Result<(), Fault> {
+    fn step(&mut self, net: &mut dyn Peers) -> Result<(), Fault> {
         self.step += 1;
         let target = self.step;
         self.map
@@ -158,19 +202,19 @@ impl ShmChannel {
             }
             if last_check.elapsed() >= YIELD_FOR || waited >= self.timeout {
                 last_check = Instant::now();
-                if let Some(detail) = check(peer) {
-                    return Err(Fault { peer, detail });
+                if let Some(detail) = net.gone(self.ranks[peer]) {
+                    return Err(self.fault(peer, detail));
                 }
             }
             if waited >= self.timeout {
-                return Err(Fault {
+                return Err(self.fault(
                     peer,
-                    detail: format!(
-                        "rank {} waited {:?} in shared memory for rank {peer} without progress \
+                    format!(
+                        "rank {} waited {:?} in shared memory for rank {} without progress \
                          (it completed {theirs} steps, this rank {target})",
-                        self.rank, self.timeout
+                        self.ranks[self.rank], self.timeout, self.ranks[peer]
                     ),
-                });
+                ));
             }
             if waited < YIELD_FOR {
                 std::thread::yield_now();

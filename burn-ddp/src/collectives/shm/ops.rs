@@ -1,14 +1,15 @@
-//! The collectives over the shared-memory segment: all-reduce (bit-identical to the TCP ring),
-//! broadcast, all-gather and barrier, each in rounds of steps (see the module above).
+//! The collectives over the shared-memory segment: all-reduce (bit-identical to the TCP ring on
+//! one host, hierarchical on several), broadcast, all-gather and barrier, each in rounds of steps
+//! (see the module above).
 
 use std::ops::Range;
 
-use super::{Fault, PeerCheck, ShmChannel};
+use super::{Fault, Peers, ShmChannel};
 use crate::collectives::tcp::balanced;
 use crate::collectives::{OpDesc, Reduce, ReduceOp};
 
-/// Elements reduced at a time: two chunks of this many bytes stay in the core's cache.
-const REDUCE_CHUNK: usize = 32 << 10;
+/// Bytes reduced at a time: a peer's chunk of this size stays in the core's first-level cache.
+const REDUCE_CHUNK: usize = 8 << 10;
 
 /// Piece `round` (of `piece` bytes) of `range`, possibly empty.
 fn piece_of(range: &Range<usize>, round: usize, piece: usize) -> Range<usize> {
@@ -17,27 +18,30 @@ fn piece_of(range: &Range<usize>, round: usize, piece: usize) -> Range<usize> {
 }
 
 impl ShmChannel {
-    /// All-reduce of `data` for `op`: every element is reduced by one rank, in the TCP ring's
-    /// order for its segment (segment `s` starts from rank `s`'s value and adds ranks `s + 1`,
-    /// `s + 2`, ... each on the left), so every rank gets the bits the TCP transport gives.
+    /// All-reduce of `data` for `op`: every element is reduced by one rank of the host, in the
+    /// TCP ring's order for its segment (segment `s` starts from rank `s`'s value and adds ranks
+    /// `s + 1`, `s + 2`, ... each on the left), so on one host every rank gets the bits the TCP
+    /// transport gives. On several hosts each reduced piece is all-reduced across the hosts
+    /// before it goes to the result area (an average is summed and divided once at the end).
     pub(crate) fn all_reduce<T: Reduce>(
         &mut self,
         desc: &OpDesc,
         data: &mut [T],
         op: ReduceOp,
-        check: &mut PeerCheck<'_>,
+        net: &mut dyn Peers,
     ) -> Result<(), Fault> {
         let (n, me, elem) = (self.world, self.rank, size_of::<T>());
+        let local_op = match op {
+            ReduceOp::Avg if self.spans_hosts() => ReduceOp::Sum,
+            op => op,
+        };
         let segments = balanced(data.len(), n, elem);
         let piece = self.layout.piece;
         let longest = segments.iter().map(|s| s.len()).max().unwrap_or(0);
         let rounds = longest.div_ceil(piece).max(1);
         let bytes: &mut [u8] = bytemuck::cast_slice_mut(data);
         let (slot, result) = (self.layout.slot(me), self.layout.result());
-        let words = REDUCE_CHUNK / 8;
-        for s in &mut self.scratch {
-            s.resize(words, 0);
-        }
+        self.scratch.resize(REDUCE_CHUNK / 8, 0);
         for round in 0..rounds {
             for (s, seg) in segments.iter().enumerate() {
                 if s != me {
@@ -48,41 +52,23 @@ impl ShmChannel {
             if round == 0 {
                 self.publish(desc, op as u64);
             }
-            self.step(check)?;
+            self.step(net)?;
             if round == 0 {
                 self.check_ops(desc, op as u64, true)?;
             }
-            // Reduce this rank's piece, chunk by chunk, in the ring's order.
             let mine = piece_of(&segments[me], round, piece);
-            let mut off = 0;
-            while off < mine.len() {
-                let len = (mine.len() - off).min(REDUCE_CHUNK);
-                let [acc, other] = &mut self.scratch;
-                let (mut acc, mut other) = (
-                    &mut bytemuck::cast_slice_mut::<u64, u8>(acc)[..len],
-                    &mut bytemuck::cast_slice_mut::<u64, u8>(other)[..len],
-                );
-                let at = mine.start + off;
-                acc.copy_from_slice(&bytes[at..at + len]);
-                for k in 1..n {
-                    let peer = (me + k) % n;
-                    self.map
-                        .read(self.layout.slot(peer) + me * piece + off, other);
-                    T::combine(
-                        bytemuck::cast_slice_mut(other),
-                        bytemuck::cast_slice(acc),
-                        op,
-                    );
-                    std::mem::swap(&mut acc, &mut other);
-                }
-                if op == ReduceOp::Avg {
-                    T::divide(bytemuck::cast_slice_mut(acc), n);
-                }
-                self.map.write(result + me * piece + off, acc);
-                bytes[at..at + len].copy_from_slice(acc);
-                off += len;
+            self.reduce_piece::<T>(&mut bytes[mine.clone()], local_op);
+            if self.spans_hosts() {
+                net.across_hosts(&mut bytes[mine.clone()])?;
             }
-            self.step(check)?;
+            if op == ReduceOp::Avg {
+                T::divide(
+                    bytemuck::cast_slice_mut(&mut bytes[mine.clone()]),
+                    n * self.hosts,
+                );
+            }
+            self.map.write(result + me * piece, &bytes[mine]);
+            self.step(net)?;
             for (s, seg) in segments.iter().enumerate() {
                 if s != me {
                     let r = piece_of(seg, round, piece);
@@ -93,13 +79,38 @@ impl ShmChannel {
         Ok(())
     }
 
+    /// Reduces this rank's piece of the round (`acc`, this rank's values) in place with the
+    /// peers' copies in their slots, chunk by chunk, in the ring's order: each peer's chunk comes
+    /// into the cache-sized scratch, takes the partial result on its right, and goes back.
+    fn reduce_piece<T: Reduce>(&mut self, acc: &mut [u8], op: ReduceOp) {
+        let (n, me, piece) = (self.world, self.rank, self.layout.piece);
+        let scratch: &mut [u8] = bytemuck::cast_slice_mut(&mut self.scratch);
+        let mut off = 0;
+        while off < acc.len() {
+            let len = (acc.len() - off).min(REDUCE_CHUNK);
+            let (acc, other) = (&mut acc[off..off + len], &mut scratch[..len]);
+            for k in 1..n {
+                let peer = (me + k) % n;
+                self.map
+                    .read(self.layout.slot(peer) + me * piece + off, other);
+                T::combine(
+                    bytemuck::cast_slice_mut(other),
+                    bytemuck::cast_slice(acc),
+                    op,
+                );
+                acc.copy_from_slice(other);
+            }
+            off += len;
+        }
+    }
+
     /// Broadcast of `root`'s `data` to every rank, through the root's slot.
     pub(crate) fn broadcast(
         &mut self,
         desc: &OpDesc,
         data: &mut [u8],
         root: usize,
-        check: &mut PeerCheck<'_>,
+        net: &mut dyn Peers,
     ) -> Result<(), Fault> {
         let cap = self.layout.slot_len();
         let slot = self.layout.slot(root);
@@ -112,14 +123,14 @@ impl ShmChannel {
             if round == 0 {
                 self.publish(desc, root as u64);
             }
-            self.step(check)?;
+            self.step(net)?;
             if round == 0 {
                 self.check_ops(desc, root as u64, true)?;
             }
             if self.rank != root {
                 self.map.read(slot, &mut data[r]);
             }
-            self.step(check)?;
+            self.step(net)?;
         }
         Ok(())
     }
@@ -129,10 +140,10 @@ impl ShmChannel {
         &mut self,
         desc: &OpDesc,
         own: u64,
-        check: &mut PeerCheck<'_>,
+        net: &mut dyn Peers,
     ) -> Result<Vec<u64>, Fault> {
         self.publish(desc, own);
-        self.step(check)?;
+        self.step(net)?;
         self.check_ops(desc, own, false)
     }
 
@@ -142,7 +153,7 @@ impl ShmChannel {
         desc: &OpDesc,
         out: &mut [u8],
         bounds: &[Range<usize>],
-        check: &mut PeerCheck<'_>,
+        net: &mut dyn Peers,
     ) -> Result<(), Fault> {
         let cap = self.layout.slot_len();
         let own = self.layout.slot(self.rank);
@@ -154,7 +165,7 @@ impl ShmChannel {
             if round == 0 {
                 self.publish(desc, 0);
             }
-            self.step(check)?;
+            self.step(net)?;
             if round == 0 {
                 self.check_ops(desc, 0, true)?;
             }
@@ -164,19 +175,15 @@ impl ShmChannel {
                     self.map.read(self.layout.slot(peer), &mut out[r]);
                 }
             }
-            self.step(check)?;
+            self.step(net)?;
         }
         Ok(())
     }
 
     /// Returns once every rank has reached the barrier.
-    pub(crate) fn barrier(
-        &mut self,
-        desc: &OpDesc,
-        check: &mut PeerCheck<'_>,
-    ) -> Result<(), Fault> {
+    pub(crate) fn barrier(&mut self, desc: &OpDesc, net: &mut dyn Peers) -> Result<(), Fault> {
         self.publish(desc, 0);
-        self.step(check)?;
+        self.step(net)?;
         self.check_ops(desc, 0, true).map(|_| ())
     }
 }

@@ -1,11 +1,15 @@
 //! Choosing the transport at rendezvous and setting up the shared-memory segment.
 //!
-//! Every rank publishes the transport it asks for ([`Transport`], `BURN_DDP_TRANSPORT`) and its
-//! host identity (host name and the kernel's boot id) through the store; every rank then makes
-//! the same decision from the same data. For shared memory, rank 0 creates the segment and
-//! publishes its name (port and a random token), the others map it and report, and rank 0
-//! unlinks it once every rank has reported. Only when every rank mapped it do collectives use
-//! it; otherwise the group stays on TCP (or fails, when shared memory was demanded).
+//! Every rank publishes the transport it asks for ([`Transport`], `BURN_DDP_TRANSPORT`), its
+//! slot size and its host identity (host name, the kernel's boot id and the network namespace)
+//! through the store; every rank then makes the same decision from the same data. Shared memory
+//! serves a group on one host, or a group on several hosts with the same number of ranks (two or
+//! more) on each: then all-reduce is hierarchical (shared memory within each host, TCP between
+//! the hosts) and the other collectives run over TCP. On each host its first rank creates the
+//! segment and publishes its name (port and a random token), the others map it and report, and
+//! the creator unlinks it once every rank has reported. Only when every rank mapped its segment
+//! do collectives use them; otherwise the group stays on TCP (or fails, when shared memory was
+//! demanded).
 
 use std::time::{Duration, Instant};
 
@@ -20,13 +24,14 @@ pub const TRANSPORT_VAR: &str = "BURN_DDP_TRANSPORT";
 /// How the ranks of a group exchange collective data.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum Transport {
-    /// Shared memory when every rank runs on the same host, TCP otherwise.
+    /// Shared memory between the ranks of each host and TCP between hosts, where every host
+    /// has the same number of ranks (two or more); TCP alone otherwise.
     Auto,
     /// The TCP transport, always (the default, until shared memory has met its performance
     /// targets and run the whole test suite: choose `auto` or `shm` to use it).
     #[default]
     Tcp,
-    /// Shared memory; forming the group fails when the ranks are not all on one host.
+    /// As `Auto`, but forming the group fails where shared memory cannot serve it.
     Shm,
 }
 
@@ -68,10 +73,21 @@ pub(crate) struct ShmRequest {
     pub slot_bytes: usize,
     pub timeout: Duration,
     pub spin: Duration,
+    /// This rank's host identity, when the user set one ([`crate::GroupOptions::host_id`]).
+    pub host: Option<String>,
 }
 
-/// This host's identity: its name and the boot id (so two containers or hosts that share a
-/// name but not a kernel are told apart). `None` where the boot id cannot be read.
+/// What the rendezvous decided for shared memory: this rank's channel on its host, and the
+/// ranks it all-reduces with across hosts (group ranks, one per host in host order, this rank
+/// among them; empty when the group runs on one host).
+pub(crate) struct ShmSetup {
+    pub channel: ShmChannel,
+    pub across: Vec<usize>,
+}
+
+/// This host's identity: its name, the kernel's boot id (so two containers or hosts that share
+/// a name but not a kernel are told apart) and the network namespace (so hosts simulated with
+/// namespaces on one machine count as distinct). `None` where the boot id cannot be read.
 fn host_identity() -> Option<String> {
     let read = |p: &str| {
         std::fs::read_to_string(p)
@@ -80,32 +96,70 @@ fn host_identity() -> Option<String> {
     };
     let boot = read("/proc/sys/kernel/random/boot_id").filter(|s| !s.is_empty())?;
     let host = read("/proc/sys/kernel/hostname").unwrap_or_default();
-    Some(format!("{host}/{boot}"))
+    let net = std::fs::read_link("/proc/self/ns/net")
+        .map(|p| p.display().to_string())
+        .unwrap_or_default();
+    Some(format!("{host}/{boot}/{net}"))
 }
 
-/// Decides the transport with the peers; `Some` channel for shared memory, `None` for TCP.
+/// The group's hosts: the ranks of each distinct identity, hosts ordered by their first rank.
+/// An empty identity (unknown host) is a host of its own.
+fn hosts_of(idents: &[&str]) -> Vec<Vec<usize>> {
+    let mut hosts: Vec<(&str, Vec<usize>)> = Vec::new();
+    for (rank, id) in idents.iter().enumerate() {
+        match hosts.iter_mut().find(|(h, _)| !id.is_empty() && h == id) {
+            Some((_, ranks)) => ranks.push(rank),
+            None => hosts.push((id, vec![rank])),
+        }
+    }
+    hosts.into_iter().map(|(_, ranks)| ranks).collect()
+}
+
+/// Why `hosts` cannot use shared memory (`None`: they can): one host of two or more ranks, or
+/// several hosts with the same number of ranks each, at least two.
+fn unsuitable(hosts: &[Vec<usize>]) -> Option<String> {
+    let sizes: Vec<usize> = hosts.iter().map(Vec::len).collect();
+    if sizes.iter().any(|&s| s != sizes[0]) {
+        return Some(format!(
+            "the hosts have different numbers of ranks ({sizes:?})"
+        ));
+    }
+    if sizes[0] < 2 {
+        return Some(format!(
+            "every host has one rank ({} hosts): nothing to share",
+            hosts.len()
+        ));
+    }
+    None
+}
+
+/// Decides the transport with the peers: `Some` setup for shared memory (on one host, or on
+/// each of several hosts with TCP between them), `None` for TCP alone.
 pub(crate) fn negotiate(
     req: &ShmRequest,
     store: &Store,
     deadline: Instant,
-) -> Result<Option<ShmChannel>> {
+) -> Result<Option<ShmSetup>> {
     let (rank, world) = (req.rank, req.world);
     let fail = |reason: String| DdpError::Rendezvous { rank, reason };
-    let ident = host_identity().unwrap_or_default();
+    let ident = req.host.clone().or_else(host_identity).unwrap_or_default();
     store.set(
         &format!("bddp/shm/host/{rank}"),
-        format!("{}\n{ident}", req.mode).as_bytes(),
+        format!("{}\n{}\n{ident}", req.mode, req.slot_bytes).as_bytes(),
     )?;
-    let peers = gather(store, "bddp/shm/host", world, deadline)?;
+    let records = gather(store, "bddp/shm/host", world, deadline)?;
     let mut asks = Vec::with_capacity(world);
-    for (r, raw) in peers.iter().enumerate() {
-        let (mode, id) = raw.split_once('\n').unwrap_or((raw, ""));
-        let mode: Transport = mode
-            .parse()
-            .map_err(|_| fail(format!("rank {r} published a bad transport {mode:?}")))?;
-        asks.push((mode, id));
+    for (r, raw) in records.iter().enumerate() {
+        let mut fields = raw.splitn(3, '\n');
+        let (mode, slot, id) = (fields.next(), fields.next(), fields.next());
+        let mode: Option<Transport> = mode.and_then(|m| m.parse().ok());
+        let slot: Option<usize> = slot.and_then(|s| s.parse().ok());
+        match (mode, slot) {
+            (Some(mode), Some(slot)) => asks.push((mode, slot, id.unwrap_or(""))),
+            _ => return Err(fail(format!("rank {r} published a bad transport {raw:?}"))),
+        }
     }
-    let wants = |m| asks.iter().position(|(a, _)| *a == m);
+    let wants = |m| asks.iter().position(|(a, _, _)| *a == m);
     match (wants(Transport::Tcp), wants(Transport::Shm)) {
         (Some(t), Some(s)) => {
             return Err(fail(format!(
@@ -117,50 +171,48 @@ pub(crate) fn negotiate(
         _ => {}
     }
     let forced = wants(Transport::Shm).is_some();
-    if let Some(other) = asks
-        .iter()
-        .position(|(_, id)| id.is_empty() || *id != asks[0].1)
-    {
+    let idents: Vec<&str> = asks.iter().map(|(_, _, id)| *id).collect();
+    let hosts = hosts_of(&idents);
+    if let Some(why) = unsuitable(&hosts) {
         if forced {
-            return Err(fail(format!(
-                "{TRANSPORT_VAR}=shm, but rank {other} is not on rank 0's host (rank 0: {:?}, \
-                 rank {other}: {:?})",
-                asks[0].1, asks[other].1
-            )));
+            return Err(fail(format!("{TRANSPORT_VAR}=shm, but {why}")));
         }
-        log::info!("rank {rank}: ranks on several hosts, collectives over TCP");
+        log::info!("rank {rank}: collectives over TCP ({why})");
         return Ok(None);
     }
-
-    let layout = Layout::new(world, req.slot_bytes);
+    let host = hosts.iter().position(|h| h.contains(&rank)).unwrap_or(0);
+    let local = hosts[host].iter().position(|&r| r == rank).unwrap_or(0);
+    // Every host cuts buffers alike (rank 0's slot size), so pieces match across hosts.
+    let layout = Layout::new(hosts[host].len(), asks[0].1);
     let len = layout.len();
+    let key = format!("bddp/shm/segment/{host}");
     let mut created = None;
-    let mapped = if rank == 0 {
+    let mapped = if local == 0 {
         let made = segment::segment_name(req.port).and_then(|name| {
             let (c, map) = segment::create(&name, len)?;
             Ok((name, c, map))
         });
         match made {
             Ok((name, c, map)) => {
-                store.set("bddp/shm/segment", format!("ok {name}").as_bytes())?;
+                store.set(&key, format!("ok {name}").as_bytes())?;
                 created = Some(c);
                 Ok(map)
             }
             Err(e) => {
-                let reason = format!("rank 0 could not create the segment: {e}");
-                store.set("bddp/shm/segment", format!("error {reason}").as_bytes())?;
+                let reason = format!("rank {rank} could not create its host's segment: {e}");
+                store.set(&key, format!("error {reason}").as_bytes())?;
                 Err(reason)
             }
         }
     } else {
         let left = deadline.saturating_duration_since(Instant::now());
-        let raw = store.get_timeout("bddp/shm/segment", left)?;
+        let raw = store.get_timeout(&key, left)?;
         let raw = String::from_utf8_lossy(&raw).to_string();
         match raw.split_once(' ') {
             Some(("ok", name)) => segment::open(name, len)
                 .map_err(|e| format!("rank {rank} could not map the segment {name}: {e}")),
             Some((_, reason)) => Err(reason.to_string()),
-            None => Err(format!("rank 0 published a bad segment {raw:?}")),
+            None => Err(format!("a bad segment record {raw:?}")),
         }
     };
     let report = match &mapped {
@@ -176,14 +228,31 @@ pub(crate) fn negotiate(
     let problems: Vec<String> = reports?.into_iter().filter(|r| r != "ok").collect();
     match (mapped, problems.first()) {
         (Ok(map), None) => {
-            log::info!("rank {rank}: collectives over shared memory ({len} bytes)");
-            Ok(Some(ShmChannel::new(
-                rank,
+            let across: Vec<usize> = if hosts.len() > 1 {
+                hosts.iter().map(|h| h[local]).collect()
+            } else {
+                Vec::new()
+            };
+            log::info!(
+                "rank {rank}: collectives over shared memory ({len} bytes){}",
+                if across.is_empty() {
+                    String::new()
+                } else {
+                    format!(
+                        ", all-reduce across {} hosts over TCP with ranks {across:?}",
+                        hosts.len()
+                    )
+                }
+            );
+            let channel = ShmChannel::new(
+                local,
+                hosts[host].clone(),
+                hosts.len(),
                 map,
                 layout,
-                req.timeout,
-                req.spin,
-            )))
+                (req.timeout, req.spin),
+            );
+            Ok(Some(ShmSetup { channel, across }))
         }
         (_, problem) => {
             let why = problem.cloned().unwrap_or_default();
@@ -216,6 +285,17 @@ mod tests {
         }
         assert_eq!(" SHM ".parse::<Transport>(), Ok(Transport::Shm));
         assert!("udp".parse::<Transport>().is_err());
-        assert!(host_identity().is_some_and(|id| id.contains('/')));
+        assert!(host_identity().is_some_and(|id| id.contains("/net:")));
+    }
+
+    #[test]
+    fn hosts_group_ranks_by_identity() {
+        let hosts = hosts_of(&["a", "b", "a", "b"]);
+        assert_eq!(hosts, vec![vec![0, 2], vec![1, 3]]);
+        assert_eq!(unsuitable(&hosts), None);
+        assert_eq!(hosts_of(&["", ""]), vec![vec![0], vec![1]]);
+        assert!(unsuitable(&hosts_of(&["a", "a", "b"])).is_some());
+        assert!(unsuitable(&hosts_of(&["a", "b"])).is_some());
+        assert_eq!(unsuitable(&hosts_of(&["a", "a", "a"])), None);
     }
 }

@@ -24,6 +24,25 @@ use crate::error::{DdpError, Result};
 /// the last reduction of a segment.
 pub(super) type ReduceFn<'a> = dyn FnMut(&mut [u8], &[u8], bool) + 'a;
 
+/// The two ranks a schedule runs between: it sends to `next` and receives from `prev` (the
+/// whole group's ring, or the ring of one local rank per host in a hierarchical all-reduce).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Neighbours {
+    pub next: usize,
+    pub prev: usize,
+}
+
+impl Neighbours {
+    /// The neighbours of the member at `pos` of the ring `members` (global ranks, in order).
+    pub(crate) fn in_ring(members: &[usize], pos: usize) -> Self {
+        let n = members.len();
+        Neighbours {
+            next: members[(pos + 1) % n],
+            prev: members[(pos + n - 1) % n],
+        }
+    }
+}
+
 /// A failure before the operation is attached: the peer at fault and what happened.
 struct Fault {
     peer: usize,
@@ -36,9 +55,6 @@ struct Peer {
     stream: TcpStream,
     /// The peer said goodbye: its close is not a failure.
     departed: bool,
-    /// Bytes of a control frame read so far (from peers that send us no data).
-    ctl: [u8; HEADER_LEN],
-    ctl_len: usize,
 }
 
 /// One rank's connections and the loop that moves a schedule's bytes over them.
@@ -89,8 +105,6 @@ impl Engine {
             peers.push(Some(Peer {
                 stream,
                 departed: false,
-                ctl: [0; HEADER_LEN],
-                ctl_len: 0,
             }));
         }
         Ok(Engine {
@@ -105,18 +119,28 @@ impl Engine {
         })
     }
 
-    /// Runs `sched` for `op` over `buf`: sends to the successor and receives from the
-    /// predecessor until both lists are done, reducing received chunks with `reduce` as the
-    /// schedule says. Fails when a peer closes, leaves, stalls for the whole timeout or sends
-    /// something that does not fit.
+    /// The group's ring: this rank's successor and predecessor by rank.
+    pub(super) fn ring(&self) -> Neighbours {
+        let n = self.world;
+        Neighbours {
+            next: (self.rank + 1) % n,
+            prev: (self.rank + n - 1) % n,
+        }
+    }
+
+    /// Runs `sched` for `op` over `buf`: sends to `ring.next` and receives from `ring.prev`
+    /// until both lists are done, reducing received chunks with `reduce` as the schedule says.
+    /// Fails when a peer closes, leaves, stalls for the whole timeout or sends something that
+    /// does not fit.
     pub(super) fn run(
         &mut self,
         op: &OpDesc,
         buf: &mut [u8],
         sched: &Schedule,
+        ring: Neighbours,
         reduce: &mut ReduceFn<'_>,
     ) -> std::result::Result<(), PeerFailure> {
-        self.run_schedule(op, buf, sched, reduce)
+        self.run_schedule(op, buf, sched, ring, reduce)
             .map_err(|Fault { peer, detail }| PeerFailure {
                 culprit: peer,
                 detail,
@@ -129,6 +153,7 @@ impl Engine {
         op: &OpDesc,
         buf: &mut [u8],
         sched: &Schedule,
+        ring: Neighbours,
         reduce: &mut ReduceFn<'_>,
     ) -> Faulty {
         let longest = sched
@@ -141,8 +166,8 @@ impl Engine {
         if self.scratch.len() * 8 < longest {
             self.scratch.resize(longest.div_ceil(8), 0);
         }
-        let n = self.world;
-        let (next, prev) = ((self.rank + 1) % n, (self.rank + n - 1) % n);
+        let Neighbours { next, prev } = ring;
+        let group_prev = self.ring().prev;
         let timeout = self.timeout;
         let scratch: &mut [u8] = bytemuck::cast_slice_mut(&mut self.scratch);
         let (mut sent, mut send_off) = (0usize, 0usize);
@@ -169,7 +194,7 @@ impl Engine {
                 match res {
                     Ok(0) => {
                         let e = io::ErrorKind::WriteZero.into();
-                        return Err(send_failed(&mut self.peers, prev, next, e));
+                        return Err(send_failed(&mut self.peers, (prev, group_prev), next, e));
                     }
                     Ok(k) => {
                         send_off += k;
@@ -181,7 +206,9 @@ impl Engine {
                     }
                     Err(e) if is_would_block(&e) => break,
                     Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-                    Err(e) => return Err(send_failed(&mut self.peers, prev, next, e)),
+                    Err(e) => {
+                        return Err(send_failed(&mut self.peers, (prev, group_prev), next, e));
+                    }
                 }
             }
 
@@ -275,7 +302,7 @@ impl Engine {
             let woken: Vec<usize> = self.events.iter().map(|e| e.token().0).collect();
             for peer in woken {
                 if peer != prev {
-                    check_control(&mut self.peers, peer)?;
+                    check_control(&mut self.peers, peer, group_prev)?;
                 }
             }
         }
@@ -284,7 +311,8 @@ impl Engine {
     /// Whether `peer` closed its connection or left the group (for transports that wait on it
     /// elsewhere, as shared memory does): what happened, in words.
     pub(super) fn peer_gone(&mut self, peer: usize) -> Option<String> {
-        if let Err(fault) = check_control(&mut self.peers, peer) {
+        let data_from = self.ring().prev;
+        if let Err(fault) = check_control(&mut self.peers, peer, data_from) {
             return Some(fault.detail);
         }
         let left = self.peers.get(peer)?.as_ref()?.departed;
@@ -320,9 +348,15 @@ impl Engine {
 
 /// Explains a failed send to `next`: a goodbye waiting on the same connection says the peer
 /// left; otherwise the socket error says how it went.
-fn send_failed(peers: &mut [Option<Peer>], prev: usize, next: usize, e: io::Error) -> Fault {
+/// `prev` is the schedule's predecessor, `group_prev` the group ring's.
+fn send_failed(
+    peers: &mut [Option<Peer>],
+    (prev, group_prev): (usize, usize),
+    next: usize,
+    e: io::Error,
+) -> Fault {
     if next != prev {
-        if let Err(specific) = check_control(peers, next) {
+        if let Err(specific) = check_control(peers, next, group_prev) {
             return specific;
         }
         if peers[next].as_ref().is_some_and(|p| p.departed) {
@@ -390,13 +424,18 @@ fn check_header(
     Ok(())
 }
 
-/// Reads what a peer that sends us no data wrote: goodbyes, or the close of a dead peer.
-fn check_control(peers: &mut [Option<Peer>], peer: usize) -> Faulty {
+/// Reads what `peer` wrote while this rank does not receive from it: a goodbye, or the close of
+/// a dead peer. Data headers are left in the socket: from `data_from` (the group ring's
+/// predecessor, which may run ahead into the next operation while this rank finishes a ring
+/// across hosts) they wait for that operation; from any other peer they mean the ranks disagree
+/// on the ring.
+fn check_control(peers: &mut [Option<Peer>], peer: usize, data_from: usize) -> Faulty {
     let Some(p) = peers.get_mut(peer).and_then(Option::as_mut) else {
         return Ok(());
     };
+    let mut head = [0u8; HEADER_LEN];
     loop {
-        match (&p.stream).read(&mut p.ctl[p.ctl_len..]) {
+        match p.stream.peek(&mut head) {
             Ok(0) if p.departed => return Ok(()),
             Ok(0) => {
                 return Err(Fault {
@@ -404,31 +443,33 @@ fn check_control(peers: &mut [Option<Peer>], peer: usize) -> Faulty {
                     detail: closed_message(peer),
                 });
             }
-            Ok(k) => {
-                p.ctl_len += k;
-                if p.ctl_len == HEADER_LEN {
-                    p.ctl_len = 0;
-                    match Header::decode(&p.ctl) {
-                        Ok(h) if h.kind == FrameKind::Goodbye => p.departed = true,
-                        Ok(h) => {
-                            return Err(Fault {
-                                peer,
-                                detail: format!(
-                                    "rank {peer} sent data ({}) on a connection that carries \
-                                     none: ranks disagree on the ring",
-                                    h.describe()
-                                ),
-                            });
-                        }
-                        Err(e) => {
-                            return Err(Fault {
-                                peer,
-                                detail: e.to_string(),
-                            });
-                        }
+            Ok(k) if k < HEADER_LEN => return Ok(()),
+            Ok(_) => match Header::decode(&head) {
+                Ok(h) if h.kind == FrameKind::Goodbye => {
+                    // The header is there whole: this read takes exactly it.
+                    if let Err(e) = (&p.stream).read_exact(&mut head) {
+                        return Err(connection_failed(peer, &e));
                     }
+                    p.departed = true;
                 }
-            }
+                Ok(_) if peer == data_from => return Ok(()),
+                Ok(h) => {
+                    return Err(Fault {
+                        peer,
+                        detail: format!(
+                            "rank {peer} sent data ({}) on a connection that carries none: \
+                             ranks disagree on the ring",
+                            h.describe()
+                        ),
+                    });
+                }
+                Err(e) => {
+                    return Err(Fault {
+                        peer,
+                        detail: e.to_string(),
+                    });
+                }
+            },
             Err(e) if is_would_block(&e) => return Ok(()),
             Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
             Err(_) if p.departed => return Ok(()),

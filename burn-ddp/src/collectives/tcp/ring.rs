@@ -7,7 +7,7 @@
 
 use std::sync::Arc;
 
-use super::engine::Engine;
+use super::engine::{Engine, Neighbours, ReduceFn};
 use super::schedule::{Schedule, balanced};
 use super::{OpError, OpResult, PeerFailure, TcpConfig};
 use crate::collectives::shm::{self, ShmChannel};
@@ -26,9 +26,55 @@ pub(crate) struct TcpTransport {
     next_seq: u64,
     /// An operation failed or the group closed the connections: every later one is refused.
     broken: bool,
-    /// The shared-memory segment, when the group chose it: every collective then runs over it
-    /// (the sockets stay, to notice peers that die or leave).
+    /// The shared-memory segment of this rank's host, when the group chose it: on one host
+    /// every collective runs over it (the sockets stay, to notice peers that die or leave); on
+    /// several, all-reduce does (hierarchical, with `across`).
     shm: Option<ShmChannel>,
+    /// The ring across hosts of a hierarchical all-reduce: one rank per host, this one among
+    /// them (empty on one host).
+    across: Vec<usize>,
+}
+
+/// The network as the shared-memory collectives see it: the engine's sockets, and for an
+/// all-reduce on several hosts the ring across them and the reduction.
+struct Net<'a, 'r> {
+    engine: &'a mut Engine,
+    across: &'a [usize],
+    rank: usize,
+    op: OpDesc,
+    chunk: usize,
+    elem: usize,
+    reduce: Option<&'a mut ReduceFn<'r>>,
+}
+
+impl shm::Peers for Net<'_, '_> {
+    fn gone(&mut self, peer: usize) -> Option<String> {
+        self.engine.peer_gone(peer)
+    }
+
+    fn across_hosts(&mut self, piece: &mut [u8]) -> Result<(), shm::Fault> {
+        let Some(reduce) = self.reduce.as_deref_mut() else {
+            return Err(shm::Fault {
+                peer: self.rank,
+                detail: "an all-reduce across hosts outside an all-reduce".to_string(),
+            });
+        };
+        let n = self.across.len();
+        let pos = self
+            .across
+            .iter()
+            .position(|&r| r == self.rank)
+            .unwrap_or(0);
+        let segments = balanced(piece.len() / self.elem, n, self.elem);
+        let sched = Schedule::ring(&segments, pos, n - 1, 2 * (n - 1), self.chunk);
+        let ring = Neighbours::in_ring(self.across, pos);
+        self.engine
+            .run(&self.op, piece, &sched, ring, reduce)
+            .map_err(|f| shm::Fault {
+                peer: f.culprit,
+                detail: f.detail,
+            })
+    }
 }
 
 impl TcpTransport {
@@ -51,31 +97,56 @@ impl TcpTransport {
             next_seq: 0,
             broken: false,
             shm: None,
+            across: Vec::new(),
         })
     }
 
-    /// Runs every later collective over shared memory.
-    pub(crate) fn use_shm(&mut self, channel: ShmChannel) {
-        self.shm = Some(channel);
+    /// Runs later collectives over shared memory: all of them on one host, all-reduce
+    /// (hierarchically, across the ranks `across`) on several.
+    pub(crate) fn use_shm(&mut self, setup: shm::setup::ShmSetup) {
+        self.shm = Some(setup.channel);
+        self.across = setup.across;
     }
 
-    /// Whether collectives run over shared memory.
+    /// Whether all-reduce runs over shared memory.
     pub(crate) fn uses_shm(&self) -> bool {
         self.shm.is_some()
     }
 
-    /// Runs `f` on the shared-memory channel (there must be one) as operation `op`, with a
-    /// check of the peers' sockets; a failure breaks the transport as [`Self::execute`] does.
+    /// Whether every collective runs over shared memory (the group is on one host).
+    fn all_on_shm(&self) -> bool {
+        self.shm.as_ref().is_some_and(|c| !c.spans_hosts())
+    }
+
+    /// Runs `f` on the shared-memory channel (there must be one) as operation `op`, with the
+    /// network at hand (the peers' sockets, and for an all-reduce of `elem`-byte elements on
+    /// several hosts the ring across them with `reduce`); a failure breaks the transport as
+    /// [`Self::execute`] does.
     fn on_shm<T>(
         &mut self,
         op: &OpDesc,
-        f: impl FnOnce(&mut ShmChannel, &mut shm::PeerCheck<'_>) -> Result<T, shm::Fault>,
+        across: Option<(usize, &mut ReduceFn<'_>)>,
+        f: impl FnOnce(&mut ShmChannel, &mut dyn shm::Peers) -> Result<T, shm::Fault>,
     ) -> OpResult<T> {
         self.status.update(|s| s.collective = Some(op.to_string()));
-        let (engine, Some(channel)) = (&mut self.engine, self.shm.as_mut()) else {
+        let chunk = self.chunk_bytes;
+        let Some(channel) = self.shm.as_mut() else {
             return Err(OpError::Refused { op: *op });
         };
-        match f(channel, &mut |peer| engine.peer_gone(peer)) {
+        let (elem, reduce) = match across {
+            Some((elem, reduce)) => (elem, Some(reduce)),
+            None => (1, None),
+        };
+        let mut net = Net {
+            engine: &mut self.engine,
+            across: &self.across,
+            rank: self.rank,
+            op: *op,
+            chunk: (chunk / elem).max(1) * elem,
+            elem,
+            reduce,
+        };
+        match f(channel, &mut net) {
             Ok(v) => {
                 self.clear_status();
                 Ok(v)
@@ -119,10 +190,24 @@ impl TcpTransport {
         if n == 1 {
             return Ok(());
         }
-        if self.shm.is_some() {
-            return self.on_shm(&desc, |c, check| c.all_reduce(&desc, data, op, check));
-        }
         let elem = size_of::<T>();
+        if self.shm.is_some() {
+            // Across hosts an average is summed: the shared-memory side divides once.
+            let cross_op = match op {
+                ReduceOp::Avg => ReduceOp::Sum,
+                op => op,
+            };
+            let mut across = |acc: &mut [u8], other: &[u8], _last: bool| {
+                T::combine(
+                    bytemuck::cast_slice_mut(acc),
+                    bytemuck::cast_slice(other),
+                    cross_op,
+                );
+            };
+            return self.on_shm(&desc, Some((elem, &mut across)), |c, net| {
+                c.all_reduce(&desc, data, op, net)
+            });
+        }
         let segments = balanced(data.len(), n, elem);
         let sched = Schedule::ring(
             &segments,
@@ -152,9 +237,9 @@ impl TcpTransport {
         if self.world == 1 {
             return Ok(());
         }
-        if self.shm.is_some() {
+        if self.all_on_shm() {
             let data = bytemuck::cast_slice_mut(data);
-            return self.on_shm(&op, |c, check| c.broadcast(&op, data, root, check));
+            return self.on_shm(&op, None, |c, net| c.broadcast(&op, data, root, net));
         }
         let sched = Schedule::chain(bytes, self.rank, self.world, root, self.chunk_for(1));
         let buf = bytemuck::cast_slice_mut(data);
@@ -166,10 +251,10 @@ impl TcpTransport {
         let n = self.world;
         let mut sizes = vec![0u64; n];
         sizes[self.rank] = data.len() as u64;
-        if self.shm.is_some() && n > 1 {
+        if self.all_on_shm() && n > 1 {
             let op = self.begin(OpKind::AllGatherSizes, DType::U8, n * 8)?;
             let own = data.len() as u64;
-            sizes = self.on_shm(&op, |c, check| c.gather_sizes(&op, own, check))?;
+            sizes = self.on_shm(&op, None, |c, net| c.gather_sizes(&op, own, net))?;
         } else {
             self.ring_gather(OpKind::AllGatherSizes, &mut sizes, 1)?;
         }
@@ -195,9 +280,9 @@ impl TcpTransport {
             start += *s as usize;
         }
         out[bounds[self.rank].clone()].copy_from_slice(data);
-        if n > 1 && self.shm.is_some() {
+        if n > 1 && self.all_on_shm() {
             let out = &mut out;
-            self.on_shm(&op, |c, check| c.all_gather(&op, out, &bounds, check))?;
+            self.on_shm(&op, None, |c, net| c.all_gather(&op, out, &bounds, net))?;
         } else if n > 1 {
             let sched = Schedule::ring(&bounds, self.rank, 0, n - 1, self.chunk_for(1));
             self.execute(&op, &mut out, &sched, &mut |_, _, _| {})?;
@@ -207,9 +292,9 @@ impl TcpTransport {
 
     /// Returns once every rank has entered the barrier.
     pub(crate) fn barrier(&mut self) -> OpResult<()> {
-        if self.shm.is_some() && self.world > 1 {
+        if self.all_on_shm() && self.world > 1 {
             let op = self.begin(OpKind::Barrier, DType::U8, 0)?;
-            return self.on_shm(&op, |c, check| c.barrier(&op, check));
+            return self.on_shm(&op, None, |c, net| c.barrier(&op, net));
         }
         self.ring_gather(OpKind::Barrier, &mut [], 0)
     }
@@ -236,10 +321,11 @@ impl TcpTransport {
         op: &OpDesc,
         buf: &mut [u8],
         sched: &Schedule,
-        reduce: &mut super::engine::ReduceFn<'_>,
+        reduce: &mut ReduceFn<'_>,
     ) -> OpResult<()> {
         self.status.update(|s| s.collective = Some(op.to_string()));
-        match self.engine.run(op, buf, sched, reduce) {
+        let ring = self.engine.ring();
+        match self.engine.run(op, buf, sched, ring, reduce) {
             Ok(()) => {
                 self.clear_status();
                 Ok(())
