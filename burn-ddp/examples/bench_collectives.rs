@@ -6,7 +6,7 @@
 //! Run it under a launcher (`burn-ddp-run --nproc 2 target/release/examples/bench_collectives`)
 //! or through `cargo xtask bench-collectives --world 2`; it forms its group from the
 //! launcher's environment. Flags (`--help`): `--sizes 4K,64M`, `--chunk 512K`, `--spin-us 20`,
-//! `--op sum|avg|max`, `--transport tcp|shm|auto`, `--shm-slot 1M`.
+//! `--op sum|avg|max`, `--transport tcp|shm|auto`, `--shm-slot 1M`, `--report FILE`.
 
 use std::time::{Duration, Instant};
 
@@ -81,6 +81,10 @@ struct Args {
     /// Bytes of each rank's slot in the shared-memory segment
     #[arg(long, value_name = "BYTES", value_parser = parse_size, default_value = "1M")]
     shm_slot: usize,
+    /// Rank 0 also writes its figures to this file, one line per size:
+    /// `bytes median_us busbw_gbps` (for `cargo xtask bench-collectives --gloo`)
+    #[arg(long, value_name = "FILE")]
+    report: Option<std::path::PathBuf>,
 }
 
 fn parse_transport(s: &str) -> Result<Transport, String> {
@@ -138,6 +142,7 @@ fn main() -> anyhow::Result<()> {
             "size", "iters", "median(us)", "algbw(GB/s)", "busbw(GB/s)", "busbw/memcpy"
         );
     }
+    let mut report = String::new();
     for &size in &args.sizes {
         let elems = (size / 4).max(1);
         // The same count on every rank, so that all ranks run the same collectives.
@@ -168,7 +173,12 @@ fn main() -> anyhow::Result<()> {
                 busbw,
                 busbw / memcpy
             );
+            report.push_str(&format!("{} {:.3} {busbw:.6}\n", elems * 4, t * 1e6));
         }
+    }
+    if let (0, Some(path)) = (rank, &args.report) {
+        std::fs::write(path, report)
+            .with_context(|| format!("writing the report {}", path.display()))?;
     }
     Ok(())
 }

@@ -153,8 +153,9 @@ impl ProcessGroup {
         self.all_reduces.load(Ordering::Relaxed)
     }
 
-    /// The transport the group's collectives use: [`Transport::Shm`] or [`Transport::Tcp`]
-    /// (never `Auto`: the choice made at rendezvous; `Tcp` for a world of one).
+    /// The transport the group's collectives use: [`Transport::Shm`] (shared memory on one
+    /// host, or the hierarchical all-reduce on several) or [`Transport::Tcp`] (never `Auto`: the
+    /// choice made at rendezvous; `Tcp` for a world of one).
     pub fn transport(&self) -> Transport {
         self.transport
     }

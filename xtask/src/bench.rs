@@ -2,7 +2,10 @@
 //! fail). Both build in the release profile unless given `--debug` (the smoke test's way to run
 //! them quickly).
 
-use anyhow::{Context, Result};
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use anyhow::{Context, Result, bail};
 use burn_ddp::launch::{LaunchConfig, launch};
 use clap::Args;
 
@@ -29,6 +32,10 @@ pub struct BenchCollectives {
     /// Transport of the collectives [default: tcp]
     #[arg(long, value_parser = ["tcp", "shm", "auto"])]
     transport: Option<String>,
+    /// Also time PyTorch gloo's all-reduce in the same run, with this Python (one with torch
+    /// installed), and print the ratios
+    #[arg(long, value_name = "PYTHON")]
+    gloo: Option<PathBuf>,
     /// Build in the dev profile (quick to build, not for figures)
     #[arg(long)]
     debug: bool,
@@ -37,7 +44,10 @@ pub struct BenchCollectives {
 /// Runs `bench-collectives`.
 pub fn bench_collectives(task: BenchCollectives) -> Result<()> {
     let exe = build_cpu_program("bench_collectives", !task.debug)?;
-    let mut forwarded = Vec::new();
+    let scratch = std::env::temp_dir().join(format!("burn-ddp-bench-coll-{}", std::process::id()));
+    std::fs::create_dir_all(&scratch)?;
+    let ours = scratch.join("burn-ddp.txt");
+    let mut forwarded = vec!["--report".to_string(), ours.display().to_string()];
     let spin = task.spin_us.map(|us| us.to_string());
     for (name, value) in [
         ("--sizes", &task.sizes),
@@ -50,7 +60,104 @@ pub fn bench_collectives(task: BenchCollectives) -> Result<()> {
             forwarded.extend([name.to_string(), v.clone()]);
         }
     }
-    launch(&LaunchConfig::new(exe, task.world).args(forwarded)).context("benchmark failed")
+    launch(&LaunchConfig::new(exe, task.world).args(forwarded)).context("benchmark failed")?;
+    if let Some(python) = &task.gloo {
+        let theirs = scratch.join("gloo.txt");
+        let sizes: Vec<String> = read_report(&ours)?
+            .iter()
+            .map(|r| r.0.to_string())
+            .collect();
+        run_gloo(python, task.world, &sizes.join(","), &scratch, &theirs)?;
+        print_comparison(&read_report(&ours)?, &read_report(&theirs)?);
+    }
+    let _ = std::fs::remove_dir_all(&scratch);
+    Ok(())
+}
+
+/// One size's figures: bytes, median time in microseconds, bus bandwidth in GB/s.
+type Row = (u64, f64, f64);
+
+fn read_report(path: &Path) -> Result<Vec<Row>> {
+    let text = std::fs::read_to_string(path)
+        .with_context(|| format!("reading the report {}", path.display()))?;
+    text.lines()
+        .map(|line| {
+            let parse = |line: &str| -> Option<Row> {
+                let mut f = line.split_whitespace().map(str::trim);
+                let row = (
+                    f.next()?.parse().ok()?,
+                    f.next()?.parse().ok()?,
+                    f.next()?.parse().ok()?,
+                );
+                f.next().is_none().then_some(row)
+            };
+            parse(line).with_context(|| format!("a bad line {line:?} in {}", path.display()))
+        })
+        .collect()
+}
+
+/// Runs gloo's all-reduce benchmark under torchrun with `python`.
+fn run_gloo(python: &Path, world: usize, sizes: &str, scratch: &Path, report: &Path) -> Result<()> {
+    let script = scratch.join("gloo_all_reduce.py");
+    std::fs::write(&script, include_str!("gloo_all_reduce.py"))?;
+    let port = burn_ddp::launch::free_port("127.0.0.1").context("finding a free port")?;
+    println!(
+        "PyTorch gloo all-reduce, world {world} (torchrun, {})",
+        python.display()
+    );
+    let status = Command::new(python)
+        .args(["-m", "torch.distributed.run", "--nproc-per-node"])
+        .arg(world.to_string())
+        .args(["--master-addr", "127.0.0.1", "--master-port"])
+        .arg(port.to_string())
+        .arg(&script)
+        .args(["--sizes", sizes, "--report"])
+        .arg(report)
+        .env("OMP_NUM_THREADS", "1")
+        .status()
+        .with_context(|| format!("running {} (is torch installed there?)", python.display()))?;
+    if !status.success() {
+        bail!(
+            "the gloo benchmark failed ({status}); does {} have torch?",
+            python.display()
+        );
+    }
+    Ok(())
+}
+
+fn print_comparison(ours: &[Row], gloo: &[Row]) {
+    println!(
+        "{:>9} {:>14} {:>14} {:>12} {:>13} {:>13} {:>12}",
+        "size",
+        "burn-ddp(us)",
+        "gloo(us)",
+        "time ratio",
+        "busbw(GB/s)",
+        "gloo(GB/s)",
+        "busbw ratio"
+    );
+    for (o, g) in ours.iter().zip(gloo) {
+        println!(
+            "{:>9} {:>14.1} {:>14.1} {:>12.3} {:>13.3} {:>13.3} {:>12.2}",
+            human(o.0),
+            o.1,
+            g.1,
+            o.1 / g.1,
+            o.2,
+            g.2,
+            o.2 / g.2
+        );
+    }
+}
+
+/// `bytes` in K/M/G (binary) units.
+fn human(bytes: u64) -> String {
+    match bytes {
+        b if b >= 1 << 30 && b % (1 << 30) == 0 => format!("{} GiB", b >> 30),
+        b if b >= 1 << 20 && b % (1 << 20) == 0 => format!("{} MiB", b >> 20),
+        b if b >= 1 << 10 && b % (1 << 10) == 0 => format!("{} KiB", b >> 10),
+        b => format!("{b} B"),
+    }
 }
 
 /// Quickstart step time of DdpLearner at world size 1 against burn's Learner, and samples/s at

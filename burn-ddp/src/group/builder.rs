@@ -31,12 +31,11 @@ pub struct GroupOptions {
     /// How long a collective retries its sockets before sleeping in the poller (default 20 µs).
     /// Longer spins cut small-message latency but take a core from computation.
     pub spin: Duration,
-    /// The transport of collectives (default [`Transport::Tcp`]; [`Transport::Auto`]: shared
-    /// memory when every rank runs on one host, TCP otherwise); `BURN_DDP_TRANSPORT` from the
-    /// environment.
+    /// The transport of collectives (default [`Transport::Auto`]: shared memory between the
+    /// ranks of a host, TCP between hosts); `BURN_DDP_TRANSPORT` from the environment.
     pub transport: Transport,
     /// Bytes of each rank's slot in the shared-memory segment (default 1 MiB); larger buffers
-    /// move in rounds. The segment holds `world + 1` slots.
+    /// move in rounds. A host's segment holds one slot per rank on it, plus one.
     pub shm_slot_bytes: usize,
     /// This rank's host as the transport groups ranks: ranks with the same host identity
     /// share memory, the others talk over TCP (default `None`: detected from the host name,
@@ -53,7 +52,7 @@ impl Default for GroupOptions {
             chunk_bytes: 512 << 10,
             max_gather_bytes: 1 << 30,
             spin: Duration::from_micros(20),
-            transport: Transport::Tcp,
+            transport: Transport::Auto,
             shm_slot_bytes: 1 << 20,
             host_id: None,
         }

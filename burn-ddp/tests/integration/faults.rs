@@ -6,7 +6,16 @@ use burn_ddp::status::Phase;
 use burn_ddp::{DdpError, ProcessGroup, ReduceOp};
 use half::f16;
 
-use crate::common::{options, run_world};
+use crate::common::{options as any_transport, run_world};
+
+/// The common options on the TCP transport: these are its fault paths (shared memory has its own
+/// in `shm.rs`, and is the default elsewhere).
+fn options(timeout_secs: u64) -> burn_ddp::GroupOptions {
+    burn_ddp::GroupOptions {
+        transport: burn_ddp::Transport::Tcp,
+        ..any_transport(timeout_secs)
+    }
+}
 
 #[test]
 fn a_rank_that_leaves_is_named_by_the_others() {

@@ -173,11 +173,12 @@ fn auto_stays_on_tcp_where_hosts_have_different_numbers_of_ranks() {
 }
 
 #[test]
-fn auto_chooses_shm_on_one_host_and_tcp_stays_the_default() {
-    run_world(2, opts(Transport::Auto, 10), |g| {
+fn shm_is_the_default_on_one_host_and_tcp_can_be_chosen() {
+    assert_eq!(GroupOptions::default().transport, Transport::Auto);
+    run_world(2, options(10), |g| {
         assert_eq!(g.transport(), Transport::Shm)
     });
-    run_world(2, options(10), |g| {
+    run_world(2, opts(Transport::Tcp, 10), |g| {
         assert_eq!(g.transport(), Transport::Tcp)
     });
 }

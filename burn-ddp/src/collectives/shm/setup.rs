@@ -25,11 +25,10 @@ pub const TRANSPORT_VAR: &str = "BURN_DDP_TRANSPORT";
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum Transport {
     /// Shared memory between the ranks of each host and TCP between hosts, where every host
-    /// has the same number of ranks (two or more); TCP alone otherwise.
-    Auto,
-    /// The TCP transport, always (the default, until shared memory has met its performance
-    /// targets and run the whole test suite: choose `auto` or `shm` to use it).
+    /// has the same number of ranks (two or more); TCP alone otherwise. The default.
     #[default]
+    Auto,
+    /// The TCP transport, always.
     Tcp,
     /// As `Auto`, but forming the group fails where shared memory cannot serve it.
     Shm,

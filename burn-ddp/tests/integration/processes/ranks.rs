@@ -46,7 +46,8 @@ fn a_rank_killed_mid_all_reduce_is_named_by_every_other_rank() {
     let timeout = Duration::from_secs(4);
     let port = free_port("127.0.0.1").unwrap();
     // Every rank has done a few all-reduces when it prints READY.
-    let (mut ranks, _) = looping_ranks(world, port, timeout, &[]);
+    // Over TCP: the shared-memory path has its own test in shm.rs.
+    let (mut ranks, _) = looping_ranks(world, port, timeout, &[("BURN_DDP_TRANSPORT", "tcp")]);
     for line in kill_and_expect_named(&mut ranks, victim, timeout * 2) {
         assert!(line.contains("where the ranks were: "), "{line}");
     }
