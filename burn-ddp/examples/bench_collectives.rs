@@ -75,8 +75,8 @@ struct Args {
     /// Reduction operator
     #[arg(long, value_enum, default_value_t = Op::Sum)]
     op: Op,
-    /// Transport: tcp, shm, or auto (shm when every rank is on this host)
-    #[arg(long, value_name = "KIND", default_value = "tcp", value_parser = parse_transport)]
+    /// Transport: auto (the default: shared memory between the ranks of a host), tcp or shm
+    #[arg(long, value_name = "KIND", default_value = "auto", value_parser = parse_transport)]
     transport: Transport,
     /// Bytes of each rank's slot in the shared-memory segment
     #[arg(long, value_name = "BYTES", value_parser = parse_size, default_value = "1M")]

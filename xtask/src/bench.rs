@@ -29,7 +29,7 @@ pub struct BenchCollectives {
     /// Reduction operator [default: sum]
     #[arg(long, value_parser = ["sum", "avg", "max"])]
     op: Option<String>,
-    /// Transport of the collectives [default: tcp]
+    /// Transport of the collectives [default: auto, shared memory on one host]
     #[arg(long, value_parser = ["tcp", "shm", "auto"])]
     transport: Option<String>,
     /// Also time PyTorch gloo's all-reduce in the same run, with this Python (one with torch
@@ -257,7 +257,7 @@ pub fn bench_train(task: BenchTrain) -> Result<()> {
     };
     // (label, ranks, burn's own Learner, extra quickstart flags, transport)
     let (bf16, fp16): (&[&str], &[&str]) = (&["--compression", "bf16"], &["--compression", "fp16"]);
-    let w2 = "DdpLearner, world 2";
+    let w2 = "DdpLearner, world 2 (tcp)";
     let runs: [(String, usize, bool, &[&str], &str); 8] = [
         ("burn Learner, 1 process".into(), 1, true, &[], "tcp"),
         ("DdpLearner, world 1".into(), 1, false, &[], "tcp"),
