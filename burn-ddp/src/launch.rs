@@ -21,6 +21,36 @@ macro_rules! say {
     }};
 }
 
+#[cfg(target_os = "linux")]
+pub mod cluster;
+/// The launcher's process id, in each rank's environment: a rank whose parent is that launcher
+/// asks the kernel to kill it when the launcher dies ([`die_with_launcher`]).
+pub const LAUNCHER_PID_VAR: &str = "BURN_DDP_LAUNCHER_PID";
+
+/// Makes this rank die with the `burn-ddp-run` that started it (`PR_SET_PDEATHSIG`), so a
+/// launcher killed outright (SIGKILL, a lost node) takes its ranks along and their peers see
+/// them gone, as torchrun's agent takes its workers. Does nothing when this process was not
+/// started by our launcher, or when the launcher is already gone.
+pub fn die_with_launcher() {
+    #[cfg(target_os = "linux")]
+    {
+        use rustix::process::{Signal, getppid, set_parent_process_death_signal};
+        let launcher = std::env::var(LAUNCHER_PID_VAR)
+            .ok()
+            .and_then(|v| v.parse::<i32>().ok());
+        let parent = getppid().map(|p| p.as_raw_nonzero().get());
+        if launcher.is_some() && launcher == parent {
+            if let Err(e) = set_parent_process_death_signal(Some(Signal::KILL)) {
+                log::warn!("could not tie this rank's life to its launcher's: {e}");
+            }
+            // The launcher may have died between the check and the call.
+            if getppid().map(|p| p.as_raw_nonzero().get()) != launcher {
+                std::process::exit(1);
+            }
+        }
+    }
+}
+
 mod exits;
 mod forward;
 mod libraries;
@@ -242,6 +272,7 @@ fn run_attempt(
             .env("MASTER_PORT", port.to_string())
             .env(SECRET_VAR, secret.to_env_value())
             .env(AGENT_STORE_VAR, "1")
+            .env(LAUNCHER_PID_VAR, std::process::id().to_string())
             .env(RESTART_COUNT_VAR, attempt.to_string());
         if let Some(links) = links {
             cmd.env("LD_LIBRARY_PATH", links.library_path());

@@ -2,6 +2,7 @@
 
 mod bins;
 mod c10d;
+mod cluster;
 mod collectives;
 mod common;
 mod env;

@@ -1,0 +1,258 @@
+//! Across hosts for real: a cluster of network namespaces on this machine (`launch::cluster`),
+//! one `burn-ddp-run` per host. Correct results across hosts, faults of the network between
+//! them, and nothing left behind. Needs root: without it each test prints SKIPPED and why.
+
+use std::io::Read;
+use std::path::PathBuf;
+use std::process::{Child, ExitStatus};
+use std::time::{Duration, Instant};
+
+use burn_ddp::launch::cluster::{Cluster, ClusterConfig, ClusterError, ClusterJob};
+use burn_ddp::secret::JobSecret;
+
+use crate::bins::example_bin;
+
+/// The cluster, or `None` after printing why the test is skipped.
+fn cluster_or_skip(test: &str, config: ClusterConfig) -> Option<Cluster> {
+    match Cluster::create(&config) {
+        Ok(c) => Some(c),
+        Err(ClusterError::Unavailable(why)) => {
+            eprintln!("SKIPPED {test}: {why}");
+            None
+        }
+        Err(e) => panic!("{test}: building the cluster failed: {e}"),
+    }
+}
+
+fn launcher() -> PathBuf {
+    PathBuf::from(env!("CARGO_BIN_EXE_burn-ddp-run"))
+}
+
+fn job(nproc_per_host: usize, program: PathBuf, args: &[&str], env: &[(&str, &str)]) -> ClusterJob {
+    let secret = JobSecret::generate().expect("a secret").to_env_value();
+    let mut all = vec![program.into_os_string()];
+    all.extend(args.iter().map(|a| a.into()));
+    ClusterJob {
+        launcher: launcher(),
+        nproc_per_host,
+        program: all,
+        env: env
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect(),
+        master_port: 29_400,
+        secret,
+    }
+}
+
+/// A host's launcher: its exit status (`None`: killed at the deadline) and output.
+struct Ended {
+    status: Option<ExitStatus>,
+    output: String,
+    took: Duration,
+}
+
+/// Waits for every child until `deadline` from now, killing those still running then.
+fn wait_all(children: Vec<Child>, deadline: Duration) -> Vec<Ended> {
+    let start = Instant::now();
+    let handles: Vec<_> = children
+        .into_iter()
+        .map(|mut c| {
+            let mut out = c.stdout.take().expect("piped stdout");
+            let mut err = c.stderr.take().expect("piped stderr");
+            let reader = std::thread::spawn(move || {
+                let mut s = String::new();
+                let _ = out.read_to_string(&mut s);
+                let mut e = String::new();
+                let _ = err.read_to_string(&mut e);
+                s + &e
+            });
+            (c, reader)
+        })
+        .collect();
+    let mut ended = Vec::new();
+    for (mut child, reader) in handles {
+        let status = loop {
+            match child.try_wait() {
+                Ok(Some(s)) => break Some(s),
+                Ok(None) if start.elapsed() < deadline => {
+                    std::thread::sleep(Duration::from_millis(50))
+                }
+                _ => {
+                    let _ = child.kill();
+                    let _ = child.wait();
+                    break None;
+                }
+            }
+        };
+        let took = start.elapsed();
+        let output = reader.join().unwrap_or_default();
+        ended.push(Ended {
+            status,
+            output,
+            took,
+        });
+    }
+    ended
+}
+
+fn run_on(cluster: &Cluster, job: &ClusterJob, deadline: Duration) -> Vec<Ended> {
+    let children = (0..cluster.hosts())
+        .map(|i| cluster.spawn(job, i).expect("starting a host's launcher"))
+        .collect();
+    wait_all(children, deadline)
+}
+
+fn assert_all_succeeded(ended: &[Ended]) {
+    for (i, e) in ended.iter().enumerate() {
+        assert!(
+            e.status.is_some_and(|s| s.success()),
+            "host {i} ended with {:?}:\n{}",
+            e.status,
+            e.output
+        );
+    }
+}
+
+/// Drops the cluster and checks it left no namespace or link.
+fn remove(cluster: Cluster) {
+    let id = cluster.id().to_string();
+    drop(cluster);
+    assert_eq!(
+        Cluster::leftovers_of(&id),
+        Vec::<String>::new(),
+        "left behind"
+    );
+}
+
+#[test]
+fn hello_ddp_runs_on_two_hosts_of_two_ranks_and_three_of_one() {
+    for (hosts, per_host) in [(2, 2), (3, 1)] {
+        let test = format!("hello_ddp on {hosts} hosts x {per_host}");
+        let Some(cluster) = cluster_or_skip(&test, ClusterConfig::new(hosts)) else {
+            return;
+        };
+        let hello = example_bin("hello_ddp", "hello_ddp");
+        let ended = run_on(
+            &cluster,
+            &job(per_host, hello, &[], &[]),
+            Duration::from_secs(60),
+        );
+        assert_all_succeeded(&ended);
+        let world = hosts * per_host;
+        let sum: usize = (0..world).sum();
+        let line = format!("rank 0 of {world}: sum of ranks {sum} over {world} ranks");
+        assert!(
+            ended[0].output.contains(&line),
+            "{test}:\n{}",
+            ended[0].output
+        );
+        remove(cluster);
+    }
+}
+
+/// Final parameters of a quickstart run (raw f32, `--params-out`).
+fn params(path: &std::path::Path) -> Vec<f32> {
+    let bytes = std::fs::read(path).expect("the parameters file");
+    bytes
+        .chunks_exact(4)
+        .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+        .collect()
+}
+
+#[test]
+fn quickstart_across_hosts_equals_one_rank_with_the_whole_batch() {
+    let quickstart = example_bin("quickstart", "quickstart");
+    let dir = std::env::temp_dir().join(format!("burn-ddp-cluster-eq-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let common = ["--epochs", "1", "--quiet", "--samples", "1024"];
+    let single = dir.join("single.f32");
+    let status = std::process::Command::new(&quickstart)
+        .args(common)
+        .args(["--batch-size", "32", "--params-out"])
+        .arg(&single)
+        .args(["--artifacts"])
+        .arg(dir.join("single"))
+        .status()
+        .expect("the single run");
+    assert!(status.success());
+    let want = params(&single);
+    for (hosts, per_host) in [(2, 2), (4, 1)] {
+        let test = format!("quickstart on {hosts} hosts x {per_host}");
+        let Some(cluster) = cluster_or_skip(&test, ClusterConfig::new(hosts)) else {
+            return;
+        };
+        let out = dir.join(format!("{hosts}x{per_host}.f32"));
+        let batch = (32 / (hosts * per_host)).to_string();
+        let mut args: Vec<&str> = common.to_vec();
+        let (out_s, art) = (
+            out.display().to_string(),
+            dir.join(format!("art{hosts}")).display().to_string(),
+        );
+        args.extend([
+            "--batch-size",
+            &batch,
+            "--params-out",
+            &out_s,
+            "--artifacts",
+            &art,
+        ]);
+        let ended = run_on(
+            &cluster,
+            &job(per_host, quickstart.clone(), &args, &[]),
+            Duration::from_secs(120),
+        );
+        assert_all_succeeded(&ended);
+        let got = params(&out);
+        assert_eq!(got.len(), want.len());
+        let err = got
+            .iter()
+            .zip(&want)
+            .map(|(a, b)| (a - b).abs() as f64)
+            .fold(0.0, f64::max)
+            / want.iter().map(|b| b.abs() as f64).fold(1e-12, f64::max);
+        assert!(err <= 1e-5, "{test}: relative error {err:e}");
+        remove(cluster);
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn a_cut_link_stops_every_rank_on_every_host_naming_the_operation_and_peer() {
+    let test = "link of host 1 cut mid-training";
+    let Some(cluster) = cluster_or_skip(test, ClusterConfig::new(2)) else {
+        return;
+    };
+    let quickstart = example_bin("quickstart", "quickstart");
+    let timeout = 15;
+    let job = job(
+        2,
+        quickstart,
+        &["--epochs", "1000", "--samples", "1024"],
+        &[("BURN_DDP_TIMEOUT", &timeout.to_string())],
+    );
+    let children: Vec<Child> = (0..2).map(|i| cluster.spawn(&job, i).unwrap()).collect();
+    // Let them train a while, then pull host 1's cable.
+    std::thread::sleep(Duration::from_secs(4));
+    cluster.set_link(1, false).unwrap();
+    let cut = Instant::now();
+    let ended = wait_all(children, Duration::from_secs(timeout * 3 + 20));
+    for (i, e) in ended.iter().enumerate() {
+        eprintln!(
+            "--- host {i} ({:?} after the cut):\n{}",
+            cut.elapsed(),
+            e.output
+        );
+        assert!(
+            e.status.is_some_and(|s| !s.success()),
+            "host {i} must fail (status {:?})",
+            e.status
+        );
+        assert!(
+            e.took <= Duration::from_secs(timeout * 2 + 15),
+            "host {i} took {:?}",
+            e.took
+        );
+    }
+    remove(cluster);
+}
