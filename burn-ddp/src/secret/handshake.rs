@@ -77,18 +77,11 @@ impl Domain {
         }
     }
 
-    /// The peer, in words, as seen from the initiator.
-    fn responder(self) -> &'static str {
+    /// The responder, and what else it may be, in words (as the initiator names it).
+    fn responder(self) -> (&'static str, &'static str) {
         match self {
-            Domain::Store => "the store",
-            Domain::DataPlane => "the peer",
-        }
-    }
-
-    fn not_ours(self) -> &'static str {
-        match self {
-            Domain::Store => "it is not this job's store",
-            Domain::DataPlane => "it is not one of this job's ranks",
+            Domain::Store => ("the store", "it is not this job's store"),
+            Domain::DataPlane => ("the peer", "it is not one of this job's ranks"),
         }
     }
 }
@@ -101,9 +94,9 @@ pub enum AdmissionError {
     #[error(
         "{} could not prove it knows the job secret ({}): either BURN_DDP_SECRET differs \
          between the two, or {}",
-        domain.responder(),
+        domain.responder().0,
         if *peer_has_secret { "its proof is wrong" } else { "it has none" },
-        domain.not_ours()
+        domain.responder().1
     )]
     Unproven {
         /// What the connection is for.
@@ -127,9 +120,13 @@ pub enum AdmissionError {
     )]
     WrongProof,
     /// The peer did not accept this process's proof (a responder's view).
-    #[error("it did not accept this process's proof (it holds another BURN_DDP_SECRET)")]
+    #[error(
+        "it did not accept this process's proof (it holds another BURN_DDP_SECRET, or this \
+         process holds none)"
+    )]
     Distrusted,
-    /// The peer does not speak this protocol (another program, or another burn-ddp version).
+    /// The responder does not speak this protocol (another program, or another burn-ddp
+    /// version); a responder reports such an initiator as [`AdmissionError::Malformed`].
     #[error("{}", match domain {
         Domain::Store => "the server is not a burn-ddp store (bad hello); is another program using this port?",
         Domain::DataPlane => "not a burn-ddp peer of this version (bad hello)",
@@ -156,16 +153,18 @@ pub enum AdmissionError {
 }
 
 impl AdmissionError {
-    /// Whether the peer closed the connection before it sent its challenge (a store sheds
-    /// connections under a flood: worth dialling again).
-    pub(crate) fn closed_before_challenge(&self) -> bool {
+    /// Whether the peer closed the connection before its verdict, without refusing: a store
+    /// sheds unadmitted connections under a flood, so this is worth dialling again.
+    pub(crate) fn dropped_by_peer(&self) -> bool {
         use io::ErrorKind::*;
-        matches!(self, AdmissionError::Io { step, source } if *step == READING_CHALLENGE
-            && matches!(source.kind(), UnexpectedEof | ConnectionReset | BrokenPipe | ConnectionAborted))
+        matches!(self, AdmissionError::Io { step, source }
+            if [READING_CHALLENGE, READING_VERDICT].contains(step)
+                && matches!(source.kind(), UnexpectedEof | ConnectionReset | BrokenPipe | ConnectionAborted))
     }
 }
 
 const READING_CHALLENGE: &str = "reading the peer's challenge";
+const READING_VERDICT: &str = "reading the verdict";
 
 /// One side of a handshake.
 pub(crate) struct Side<'a> {
@@ -362,9 +361,10 @@ pub(crate) fn initiate(
     input.send(&answer, "sending the answer")?;
 
     let verdict = read_frame(&mut input, MAX_VERDICT).map_err(|e| AdmissionError::Io {
-        step: "reading the verdict",
+        step: READING_VERDICT,
         source: match e {
             FrameError::Io(e) => e,
+            FrameError::Closed => io::Error::new(io::ErrorKind::UnexpectedEof, "closed"),
             other => io::Error::new(io::ErrorKind::InvalidData, other.to_string()),
         },
     })?;
@@ -392,7 +392,12 @@ pub(crate) fn respond(
 ) -> Result<Verified, AdmissionError> {
     let mut input = Before { stream, deadline };
     const HELLO: &str = "reading the hello";
-    let claims_i = input.magic_and_claims(me, HELLO)?;
+    let claims_i = input.magic_and_claims(me, HELLO).map_err(|e| match e {
+        AdmissionError::NotBurnDdp { .. } => {
+            AdmissionError::Malformed("bad hello: not a burn-ddp client of this version".into())
+        }
+        other => other,
+    })?;
     let nonce_i = input.exact::<LEN>(HELLO)?;
 
     let nonce_r = nonce()?;
@@ -415,7 +420,8 @@ pub(crate) fn respond(
     let answer = input.exact::<{ 1 + LEN }>("reading the answer")?;
     let Some(secret) = me.secret else {
         return match answer[0] {
-            code::PROOF | code::NO_SECRET | code::UNPROVEN => Ok(Verified { claims: claims_i }),
+            code::PROOF | code::NO_SECRET => Ok(Verified { claims: claims_i }),
+            code::UNPROVEN => Err(AdmissionError::Distrusted),
             other => Err(AdmissionError::Malformed(format!("unknown answer {other}"))),
         };
     };

@@ -43,9 +43,9 @@ impl NativeClient {
         let deadline = Instant::now() + timeout.min(Duration::from_secs(10));
         match handshake::initiate(&stream, &me, deadline) {
             Ok(_) => {}
-            // The server closed this connection before answering (it sheds unadmitted
+            // The server closed this connection before its verdict (it sheds unadmitted
             // connections under a flood, see the server): worth dialling again.
-            Err(e) if e.closed_before_challenge() => return Err(Handshake::Dropped(e.to_string())),
+            Err(e) if e.dropped_by_peer() => return Err(Handshake::Dropped(e.to_string())),
             Err(source) => {
                 return Err(Handshake::Failed(DdpError::Admission {
                     connection: format!("store at {addr}"),

@@ -2,7 +2,8 @@
 //!
 //! Connections that are not yet admitted (challenge and response, `secret::handshake`, not
 //! complete) are bounded in time and number: each gets [`StoreServer::HELLO_TIMEOUT`] in all,
-//! however slowly it sends, and at most [`StoreServer::MAX_PENDING`] wait at once; a newer one closes the oldest.
+//! however slowly it sends, and at most [`StoreServer::MAX_PENDING`] wait at once; a newer one
+//! closes the oldest.
 //! Evicting the oldest rather than refusing the newest keeps the store open to real ranks
 //! during a flood of silent connections (a port scan, a stray client): a rank sends its hello
 //! as soon as it is connected, so it is evicted only if `MAX_PENDING` newer connections arrive

@@ -105,7 +105,7 @@ fn a_side_without_the_secret_is_refused_and_told_why() {
     }
     assert!(matches!(r, Err(AdmissionError::NoSecret)), "{r:?}");
     // A responder without a secret proves nothing: a holder does not trust it.
-    let (i, _) = handshake((Some(&a), Domain::Store), (None, Domain::Store));
+    let (i, r) = handshake((Some(&a), Domain::Store), (None, Domain::Store));
     assert!(
         matches!(
             i,
@@ -116,6 +116,7 @@ fn a_side_without_the_secret_is_refused_and_told_why() {
         ),
         "{i:?}"
     );
+    assert!(matches!(r, Err(AdmissionError::Distrusted)), "{r:?}");
 }
 
 #[test]
@@ -175,6 +176,10 @@ fn oversized_claims_and_silent_peers_end_within_bounds() {
     c.write_all(&[MAGIC, &[255u8]].concat()).unwrap();
     let e = respond(&s, &me, soon()).err().unwrap();
     assert!(matches!(e, AdmissionError::Malformed(_)), "{e:?}");
+    let (mut c, s) = pair();
+    c.write_all(b"GET / HTTP/1.1\r\n\r\n").unwrap();
+    let e = respond(&s, &me, soon()).err().unwrap();
+    assert!(e.to_string().contains("not a burn-ddp client"), "{e}");
 
     // A peer that never answers: the deadline ends the handshake, whatever the socket.
     let (_c, s) = pair();
