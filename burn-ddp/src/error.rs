@@ -62,6 +62,17 @@ pub enum DdpError {
         /// What went wrong.
         reason: String,
     },
+    /// A connection to the store or between ranks was not admitted: this process or its peer
+    /// cannot prove it holds the job secret (`BURN_DDP_SECRET`), or the peer is not burn-ddp's.
+    #[error("{connection}: {source}")]
+    Admission {
+        /// Which connection, for example `store at 10.0.0.1:29500` or
+        /// `rank 3: data plane of rank 1 at 10.0.0.2:41234`.
+        connection: String,
+        /// What went wrong.
+        #[source]
+        source: crate::secret::AdmissionError,
+    },
     /// Waiting for store keys did not finish in time.
     #[error("store at {addr}: timed out after {timeout:?} waiting for {what}")]
     StoreTimeout {

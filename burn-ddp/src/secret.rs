@@ -1,20 +1,27 @@
-//! The job secret: the launcher generates one per job and hands it to its ranks in
-//! `BURN_DDP_SECRET`; the store and the data plane refuse connections that do not present it, so
-//! a stray process can neither join the group nor inject gradients.
+//! The job secret: only processes that hold it join the store and the data plane, so a stray
+//! process can neither join the group nor inject gradients. `burn-ddp-run` generates one per
+//! job and hands it to its ranks in `BURN_DDP_SECRET`; under other launchers users set that
+//! variable on every node (see `SECURITY.md`).
 //!
-//! The secret is presented in the first message of each connection (store hello, mesh hello) and
-//! compared in constant time. It keeps out processes that do not know it; it does not encrypt
-//! the traffic (use a private network for that, as with NCCL and gloo).
+//! The secret never leaves the process: every store and data-plane connection opens with a
+//! challenge and response ([`handshake`]) in which both sides prove with an HMAC-SHA256 over
+//! fresh nonces that they hold it. It is never printed (its `Debug` shows only its length).
+//! It keeps out processes that do not hold it; it does not encrypt or authenticate the traffic
+//! after admission (use a private network or WireGuard/IPsec for that, as with NCCL and gloo).
 
 use std::fmt;
 
 use crate::error::{DdpError, Result};
 
+pub mod handshake;
+
+pub use handshake::{AdmissionError, Domain};
+
 /// Environment variable carrying the job secret to the ranks.
 pub const SECRET_VAR: &str = "BURN_DDP_SECRET";
 /// Shortest secret accepted (bytes).
 pub const MIN_SECRET_LEN: usize = 16;
-/// Longest secret accepted (bytes); also bounds what a connecting peer may send.
+/// Longest secret accepted (bytes).
 pub const MAX_SECRET_LEN: usize = 256;
 
 /// A shared job secret. Its `Debug` output does not show it.
@@ -31,10 +38,12 @@ impl JobSecret {
     /// A fresh random secret (32 bytes from the operating system, written as 64 hex digits).
     pub fn generate() -> Result<Self> {
         let mut raw = [0u8; 32];
-        let mut f = std::fs::File::open("/dev/urandom")
-            .map_err(|e| DdpError::io("opening /dev/urandom for the job secret", e))?;
-        std::io::Read::read_exact(&mut f, &mut raw)
-            .map_err(|e| DdpError::io("reading /dev/urandom for the job secret", e))?;
+        getrandom::fill(&mut raw).map_err(|e| {
+            DdpError::io(
+                "drawing the job secret from the operating system's random generator",
+                std::io::Error::other(e.to_string()),
+            )
+        })?;
         Ok(JobSecret(
             raw.iter()
                 .map(|b| format!("{b:02x}"))
@@ -73,21 +82,6 @@ impl JobSecret {
     pub(crate) fn as_bytes(&self) -> &[u8] {
         &self.0
     }
-
-    /// Whether `presented` is this secret, in time independent of where they differ.
-    pub(crate) fn matches(&self, presented: &[u8]) -> bool {
-        presented.len() == self.0.len()
-            && presented
-                .iter()
-                .zip(&self.0)
-                .fold(0u8, |acc, (a, b)| acc | (a ^ b))
-                == 0
-    }
-}
-
-/// What a listener checks: no secret accepts everyone; a secret accepts only its holders.
-pub(crate) fn admits(expected: Option<&JobSecret>, presented: &[u8]) -> bool {
-    expected.is_none_or(|s| s.matches(presented))
 }
 
 #[cfg(test)]
@@ -95,17 +89,14 @@ mod tests {
     use super::*;
 
     #[test]
-    fn generated_secrets_differ_and_match_themselves() {
+    fn generated_secrets_differ_round_trip_and_do_not_show() {
         let (a, b) = (
             JobSecret::generate().unwrap(),
             JobSecret::generate().unwrap(),
         );
         assert_ne!(a, b);
-        assert!(a.matches(a.as_bytes()));
-        assert!(!a.matches(b.as_bytes()));
-        assert!(!a.matches(&a.as_bytes()[1..]));
-        assert!(admits(None, b"anything"));
-        assert!(!admits(Some(&a), b""));
+        assert_eq!(a.as_bytes().len(), 64);
+        assert!(a.as_bytes().iter().all(u8::is_ascii_hexdigit));
         assert_eq!(JobSecret::new(a.to_env_value()).unwrap(), a);
         assert!(!format!("{a:?}").contains(&a.to_env_value()));
     }

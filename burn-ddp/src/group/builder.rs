@@ -138,7 +138,8 @@ impl ProcessGroupBuilder {
         self.store_bind = Some(host.into());
         self
     }
-    /// The job secret: the store and the data plane admit only processes that present it.
+    /// The job secret: the store and the data plane admit only processes that prove they hold
+    /// it (a challenge and response; the secret itself never crosses the wire).
     pub fn secret(mut self, secret: JobSecret) -> Self {
         self.secret = Some(secret);
         self

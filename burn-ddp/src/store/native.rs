@@ -1,15 +1,15 @@
 //! Client side of burn-ddp's own store protocol (see `protocol`): one request frame and one
 //! response frame at a time on one connection.
 
-use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream};
 use std::sync::Mutex;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use super::ANSWER_MARGIN;
 use super::protocol::{HELLO, MAX_FRAME_LEN, Request, Response};
 use crate::error::{DdpError, Result};
-use crate::secret::JobSecret;
+use crate::secret::handshake::{self, Side};
+use crate::secret::{Domain, JobSecret};
 use crate::wire::{WireError, read_frame, write_frame};
 
 /// A connection to a [`StoreServer`](super::StoreServer).
@@ -19,11 +19,11 @@ pub(crate) struct NativeClient {
 }
 
 impl NativeClient {
-    /// Exchanges hellos (and the job secret) on a fresh connection.
-    /// Opens a connection's session: hello and secret out, the server's hello and verdict in.
+    /// Opens a connection's session: admission (`secret::handshake`), in which the store
+    /// must prove it holds `secret` before this client proves it does.
     pub(crate) fn handshake(
         addr: &str,
-        mut stream: TcpStream,
+        stream: TcpStream,
         timeout: Duration,
         secret: Option<&JobSecret>,
     ) -> Result<(Self, SocketAddr), Handshake> {
@@ -33,47 +33,25 @@ impl NativeClient {
                 reason,
             })
         };
-        // The server closed this connection before answering (it sheds unadmitted connections
-        // under a flood, see the server): worth dialling again.
-        let dropped = |e: &std::io::Error, what: &str| {
-            use std::io::ErrorKind::*;
-            matches!(
-                e.kind(),
-                UnexpectedEof | ConnectionReset | BrokenPipe | ConnectionAborted
-            )
-            .then(|| Handshake::Dropped(format!("{what}: {e}")))
-        };
         let _ = stream.set_nodelay(true);
-        stream
-            .set_read_timeout(Some(timeout.min(Duration::from_secs(10))))
-            .map_err(|e| fail(e.to_string()))?;
-        stream
-            .write_all(HELLO)
-            .and_then(|_| write_frame(&mut stream, secret.map_or(&[][..], JobSecret::as_bytes)))
-            .map_err(|e| {
-                dropped(&e, "sending hello").unwrap_or_else(|| fail(format!("sending hello: {e}")))
-            })?;
-        let mut hello = vec![0u8; HELLO.len()];
-        stream.read_exact(&mut hello).map_err(|e| {
-            dropped(&e, "reading the store's hello").unwrap_or_else(|| {
-                fail(format!(
-                    "no burn-ddp store answered ({e}); is another program using this port?"
-                ))
-            })
-        })?;
-        if hello != HELLO {
-            return Err(fail(
-                "the server is not a burn-ddp store (bad hello); is another program using this port?"
-                    .into(),
-            ));
-        }
-        let verdict = read_frame(&mut stream, 4096)
-            .map_err(|e| fail(format!("the store did not answer the hello: {e}")))?;
-        if !verdict.is_empty() {
-            return Err(fail(format!(
-                "refused: {}",
-                String::from_utf8_lossy(&verdict)
-            )));
+        let me = Side {
+            domain: Domain::Store,
+            magic: HELLO,
+            secret,
+            claims: &[],
+        };
+        let deadline = Instant::now() + timeout.min(Duration::from_secs(10));
+        match handshake::initiate(&stream, &me, deadline) {
+            Ok(_) => {}
+            // The server closed this connection before its verdict (it sheds unadmitted
+            // connections under a flood, see the server): worth dialling again.
+            Err(e) if e.dropped_by_peer() => return Err(Handshake::Dropped(e.to_string())),
+            Err(source) => {
+                return Err(Handshake::Failed(DdpError::Admission {
+                    connection: format!("store at {addr}"),
+                    source,
+                }));
+            }
         }
         let local = stream.local_addr().map_err(|e| fail(e.to_string()))?;
         let client = NativeClient {

@@ -1,17 +1,17 @@
 //! The store's request and response messages and their encoding.
 //!
-//! A connection starts with a hello (magic and version) in each direction; the client's is
-//! followed by a frame with the job secret (empty when it has none), the server's by a frame
-//! that is empty when the client is admitted and says why otherwise. Then it carries one
-//! request frame and one response frame at a time. Keys are UTF-8, at most [`MAX_KEY_LEN`]
+//! A connection starts with admission (`secret::handshake`, domain store, no claims): hello
+//! and challenge, each opening with [`HELLO`], then the client's answer and the server's
+//! verdict; the job secret itself never crosses the wire. Then it carries one request frame and
+//! one response frame at a time. Keys are UTF-8, at most [`MAX_KEY_LEN`]
 //! bytes; whole frames are at most [`MAX_FRAME_LEN`] bytes.
 
 use std::time::Duration;
 
 use crate::wire::{DecodeError, Reader, Writer};
 
-/// First bytes of every store connection, both directions.
-pub(crate) const HELLO: &[u8] = b"burn-ddp store v2";
+/// First bytes of every store connection, both directions (v3: challenge-response admission).
+pub(crate) const HELLO: &[u8] = b"burn-ddp store v3";
 /// Largest frame either side accepts.
 pub(crate) const MAX_FRAME_LEN: usize = 64 << 20;
 /// Longest key accepted.

@@ -1,8 +1,9 @@
 //! The store server rank 0 hosts: a thread per client, one map, a condition variable for waits.
 //!
-//! Connections that are not yet admitted (hello and job secret not yet received) are bounded
-//! in time and number: each gets [`StoreServer::HELLO_TIMEOUT`] in all, however slowly it
-//! sends, and at most [`StoreServer::MAX_PENDING`] wait at once; a newer one closes the oldest.
+//! Connections that are not yet admitted (challenge and response, `secret::handshake`, not
+//! complete) are bounded in time and number: each gets [`StoreServer::HELLO_TIMEOUT`] in all,
+//! however slowly it sends, and at most [`StoreServer::MAX_PENDING`] wait at once; a newer one
+//! closes the oldest.
 //! Evicting the oldest rather than refusing the newest keeps the store open to real ranks
 //! during a flood of silent connections (a port scan, a stray client): a rank sends its hello
 //! as soon as it is connected, so it is evicted only if `MAX_PENDING` newer connections arrive
@@ -10,7 +11,7 @@
 //! long as the flood lasts.
 
 use std::collections::{HashMap, VecDeque};
-use std::io::{self, Read, Write};
+use std::io;
 use std::net::{SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
@@ -19,7 +20,8 @@ use std::time::{Duration, Instant};
 
 use super::protocol::{HELLO, MAX_FRAME_LEN, Request, Response};
 use crate::error::{DdpError, Result};
-use crate::secret::{JobSecret, MAX_SECRET_LEN, admits};
+use crate::secret::handshake::{self, Side};
+use crate::secret::{AdmissionError, Domain, JobSecret};
 use crate::wire::{DecodeError, FrameError, read_frame, write_frame};
 
 const HELLO_TIMEOUT: Duration = StoreServer::HELLO_TIMEOUT;
@@ -133,7 +135,8 @@ impl Shared {
 }
 
 impl StoreServer {
-    /// How long a new connection has to send its hello and secret, in all, however slowly.
+    /// How long a new connection has to complete admission (hello, then its answer to the
+    /// store's challenge), in all, however slowly it sends.
     pub const HELLO_TIMEOUT: Duration = Duration::from_secs(3);
     /// Most connections waiting to be admitted at once; a newer one closes the oldest.
     pub const MAX_PENDING: usize = 64;
@@ -245,6 +248,9 @@ fn accept_loop(listener: TcpListener, shared: Arc<Shared>) {
                     .peer_addr()
                     .map_or_else(|_| "?".to_string(), |a| a.to_string());
                 match admit(&stream, &shared, id) {
+                    Err(e) if e.lacks_the_secret() => {
+                        log::warn!("store: refused the connection from {peer}: {e}")
+                    }
                     Err(e) => log::debug!("store: connection from {peer} not admitted: {e}"),
                     Ok(()) => {
                         if let Err(e) = serve_client(&stream, &shared) {
@@ -262,48 +268,31 @@ fn accept_loop(listener: TcpListener, shared: Arc<Shared>) {
     }
 }
 
-/// Reads from a stream until a deadline, however slowly the sender trickles bytes.
-struct Before<'a> {
-    stream: &'a TcpStream,
-    deadline: Instant,
-}
-
-impl Read for Before<'_> {
-    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
-        let left = self.deadline.saturating_duration_since(Instant::now());
-        if left.is_zero() {
-            return Err(io::Error::new(
-                io::ErrorKind::TimedOut,
-                format!("no complete hello within {HELLO_TIMEOUT:?}"),
-            ));
-        }
-        self.stream.set_read_timeout(Some(left))?;
-        let mut stream = self.stream;
-        stream.read(buf)
-    }
-}
-
 /// Why a connection was not admitted.
 #[derive(Debug, thiserror::Error)]
 enum Refusal {
-    /// Configuring or answering the socket failed.
+    /// The handshake failed or the client does not hold the job secret.
+    #[error("{0}")]
+    Admission(#[from] AdmissionError),
+    /// Answering the client failed.
     #[error("{0}")]
     Io(#[from] io::Error),
-    /// The client sent no hello in time.
-    #[error("no hello: {0}")]
-    NoHello(io::Error),
-    /// The hello is not burn-ddp's.
-    #[error("not a burn-ddp store client (bad hello)")]
-    BadHello,
-    /// The client sent no secret frame in time.
-    #[error("no secret: {0}")]
-    NoSecret(FrameError),
-    /// The client does not present the job secret.
-    #[error("refused a client without the job secret")]
-    WrongSecret,
     /// Closed to make room for newer connections.
     #[error("closed as one of more than {MAX_PENDING} pending connections")]
     Evicted,
+}
+
+impl Refusal {
+    /// Whether the client does not hold the job secret (worth a warning), rather than a
+    /// connection that is not a store client at all, or was too slow.
+    fn lacks_the_secret(&self) -> bool {
+        matches!(
+            self,
+            Refusal::Admission(
+                AdmissionError::NoSecret | AdmissionError::WrongProof | AdmissionError::Distrusted
+            )
+        )
+    }
 }
 
 /// Why serving an admitted client ended other than by its close.
@@ -320,42 +309,22 @@ enum ServeError {
     BadRequest(DecodeError),
 }
 
-/// Reads the client's hello and secret within [`HELLO_TIMEOUT`] and answers; `Ok` when the
-/// client (connection `id`) is admitted.
+/// Runs admission (`secret::handshake`) within [`HELLO_TIMEOUT`]; `Ok` when the client
+/// (connection `id`) is admitted.
 fn admit(stream: &TcpStream, shared: &Shared, id: u64) -> std::result::Result<(), Refusal> {
     let _ = stream.set_nodelay(true);
-    let mut out = stream;
-    out.set_write_timeout(Some(HELLO_TIMEOUT))?;
-    let mut input = Before {
-        stream,
-        deadline: Instant::now() + HELLO_TIMEOUT,
+    let me = Side {
+        domain: Domain::Store,
+        magic: HELLO,
+        secret: shared.secret.as_ref(),
+        claims: &[],
     };
-    let mut hello = vec![0u8; HELLO.len()];
-    input.read_exact(&mut hello).map_err(Refusal::NoHello)?;
-    if hello != HELLO {
-        return Err(Refusal::BadHello);
-    }
-    let presented = read_frame(&mut input, MAX_SECRET_LEN).map_err(Refusal::NoSecret)?;
-    out.write_all(HELLO)?;
-    if !admits(shared.secret.as_ref(), &presented) {
-        let _ = write_frame(
-            &mut out,
-            b"this process does not present the job secret (BURN_DDP_SECRET) of this job",
-        );
-        let peer = stream
-            .peer_addr()
-            .map(|a| a.to_string())
-            .unwrap_or_default();
-        log::warn!("store: refused a client without the job secret from {peer}");
-        return Err(Refusal::WrongSecret);
-    }
+    let verified = handshake::respond(stream, &me, Instant::now() + HELLO_TIMEOUT)?;
     if !shared.conns().admitted(id) {
         return Err(Refusal::Evicted);
     }
-    write_frame(&mut out, b"")?;
-    // Clients may stay idle for a whole training run.
-    stream.set_read_timeout(None)?;
-    stream.set_write_timeout(None)?;
+    // Clients may stay idle for a whole training run: `admit` leaves no timeouts.
+    verified.admit(stream)?;
     Ok(())
 }
 
@@ -366,6 +335,11 @@ fn serve_client(stream: &TcpStream, shared: &Shared) -> std::result::Result<(), 
         let body = match read_frame(&mut stream, MAX_FRAME_LEN) {
             Ok(b) => b,
             Err(FrameError::Closed) => return Ok(()),
+            Err(FrameError::TooLong(n)) => {
+                let why = format!("bad request: frame of {n} bytes exceeds {MAX_FRAME_LEN}");
+                let _ = write_frame(&mut stream, &Response::Error(why).encode());
+                return Err(FrameError::TooLong(n).into());
+            }
             Err(e) => return Err(e.into()),
         };
         let (response, fatal) = match Request::decode(&body) {

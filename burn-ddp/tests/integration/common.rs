@@ -73,6 +73,22 @@ pub fn run_world_each<T: Send>(
     })
 }
 
+/// First bytes of the store protocol, both directions (`store::protocol::HELLO`).
+pub const STORE_HELLO: &[u8] = b"burn-ddp store v3";
+/// Bytes of the store's challenge: magic, no claims, has-secret flag, nonce, proof
+/// (`secret::handshake`).
+pub const STORE_CHALLENGE_LEN: usize = STORE_HELLO.len() + 1 + 1 + 32 + 32;
+
+/// A store client's hello as the wire carries it: magic, no claims, a nonce.
+pub fn store_hello() -> Vec<u8> {
+    [STORE_HELLO, &[0], &[7u8; 32]].concat()
+}
+
+/// A client's answer to the store's challenge: `code` (1: proof, 2: no secret) and 32 bytes.
+pub fn store_answer(code: u8, proof: [u8; 32]) -> Vec<u8> {
+    [&[code][..], &proof].concat()
+}
+
 fn splitmix(mut x: u64) -> u64 {
     x = x.wrapping_add(0x9e37_79b9_7f4a_7c15);
     x = (x ^ (x >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);

@@ -12,10 +12,10 @@ use burn_ddp::store::{Store, StoreServer};
 use burn_ddp::{ProcessGroup, ReduceOp};
 use rand::{Rng, SeedableRng};
 
-use crate::common::options;
+use crate::common::{STORE_HELLO, options, store_answer, store_hello};
 
-/// The client hello of the store protocol (`store::protocol::HELLO`).
-const HELLO: &[u8] = b"burn-ddp store v2";
+/// The first bytes of the store protocol (`store::protocol::HELLO`).
+const HELLO: &[u8] = STORE_HELLO;
 /// Scheduling slack on a loaded 2-core machine.
 const SLACK: Duration = Duration::from_secs(3);
 
@@ -36,7 +36,7 @@ fn closed_after(conns: &[TcpStream], since: Instant, limit: Duration) -> Vec<Opt
             loop {
                 match c.read(&mut buf) {
                     Ok(0) => *at = Some(since.elapsed()),
-                    Ok(_) => continue, // the server's answer to a wrong secret
+                    Ok(_) => continue, // the server's challenge, and its verdict
                     Err(e) if e.kind() == ErrorKind::WouldBlock => {}
                     Err(_) => *at = Some(since.elapsed()),
                 }
@@ -82,12 +82,12 @@ fn unadmitted_connections_are_closed_within_the_hello_timeout() {
             c
         })
         .collect();
-    let short_secret: Vec<TcpStream> = (0..10)
+    let partial_nonce: Vec<TcpStream> = (0..10)
         .map(|_| {
             let mut c = connect(addr);
             c.write_all(HELLO).unwrap();
-            c.write_all(&32u32.to_le_bytes()).unwrap();
-            c.write_all(b"12345").unwrap();
+            c.write_all(&[0]).unwrap(); // no claims
+            c.write_all(b"12345").unwrap(); // 5 of the nonce's 32 bytes
             c
         })
         .collect();
@@ -119,7 +119,7 @@ fn unadmitted_connections_are_closed_within_the_hello_timeout() {
         let groups = [
             ("silent", &silent),
             ("partial hello", &partial),
-            ("short secret", &short_secret),
+            ("partial nonce", &partial_nonce),
             ("trickling", &trickle),
             ("bad hello", &bad_hello),
         ];
@@ -152,8 +152,8 @@ fn stray(addr: SocketAddr, i: usize, rng: &mut impl Rng) -> TcpStream {
         0 | 1 => Vec::new(),
         2 => (0..rng.random_range(1..40)).map(|_| rng.random()).collect(),
         3 => HELLO[..rng.random_range(1..HELLO.len())].to_vec(),
-        // A well-formed hello with a wrong secret.
-        _ => [HELLO, &4u32.to_le_bytes(), b"nope"].concat(),
+        // A well-formed hello and a wrong proof.
+        _ => [store_hello(), store_answer(1, [0; 32])].concat(),
     };
     let _ = c.write_all(&garbage);
     c

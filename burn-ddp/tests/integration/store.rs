@@ -7,6 +7,8 @@ use std::time::{Duration, Instant};
 use burn_ddp::DdpError;
 use burn_ddp::store::{Store, StoreServer};
 
+use crate::common::{STORE_CHALLENGE_LEN, STORE_HELLO, store_answer, store_hello};
+
 fn pair() -> (StoreServer, Store) {
     let server = StoreServer::bind("127.0.0.1:0").unwrap();
     let client = Store::connect(&server.local_addr().to_string(), Duration::from_secs(5)).unwrap();
@@ -122,14 +124,15 @@ fn garbage_and_absurd_frames_do_not_hurt_the_server() {
     c.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
     let _ = c.read_to_end(&mut buf);
     assert!(buf.is_empty(), "the server answered a stranger");
-    // Right hello, then a 4 GiB secret length: the server hangs up.
+    // Right magic, then claims of 255 bytes (at most 64 allowed): the server hangs up.
     let mut c = TcpStream::connect(addr).unwrap();
     c.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
-    c.write_all(b"burn-ddp store v2\xff\xff\xff\xff").unwrap();
+    c.write_all(&[STORE_HELLO, &[255]].concat()).unwrap();
     let mut rest = Vec::new();
     let _ = c.read_to_end(&mut rest);
-    assert!(rest.is_empty(), "answered an absurd secret: {rest:?}");
-    // Right hello and (empty) secret, then a 4 GiB frame length, then garbage bodies.
+    assert!(rest.is_empty(), "answered absurd claims: {rest:?}");
+    // Admitted without a secret (this store has none), then a 4 GiB frame length, then
+    // garbage bodies.
     for body in [
         vec![0xff, 0xff, 0xff, 0xff],
         vec![3, 0, 0, 0, 99, 1, 2],
@@ -137,14 +140,13 @@ fn garbage_and_absurd_frames_do_not_hurt_the_server() {
     ] {
         let mut c = TcpStream::connect(addr).unwrap();
         c.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
-        c.write_all(b"burn-ddp store v2\0\0\0\0").unwrap();
-        let mut hello = [0u8; 17 + 4];
-        c.read_exact(&mut hello).unwrap();
-        assert_eq!(
-            &hello[17..],
-            &[0, 0, 0, 0],
-            "admitted with an empty verdict"
-        );
+        c.write_all(&store_hello()).unwrap();
+        let mut challenge = [0u8; STORE_CHALLENGE_LEN];
+        c.read_exact(&mut challenge).unwrap();
+        c.write_all(&store_answer(2, [0; 32])).unwrap();
+        let mut verdict = [0u8; 4];
+        c.read_exact(&mut verdict).unwrap();
+        assert_eq!(verdict, [0, 0, 0, 0], "admitted with an empty verdict");
         c.write_all(&body).unwrap();
         let mut rest = Vec::new();
         let _ = c.read_to_end(&mut rest); // an error answer or a close, never a hang

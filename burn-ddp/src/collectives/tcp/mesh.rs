@@ -1,83 +1,50 @@
 //! Connects every pair of ranks once: each rank listens on an ephemeral port of the interface
 //! that reaches rank 0 (or of the interface named by `BURN_DDP_SOCKET_IFNAME`), publishes it
-//! through the store, connects to lower ranks and accepts higher ones. Each connection starts
-//! with a hello naming the rank and world size, followed by the job secret; both sides check
-//! the other's.
+//! through the store, connects to lower ranks and accepts higher ones. Each connection opens
+//! with admission (`secret::handshake`, domain data plane) whose claims are the rank and the
+//! world size of each side: both prove they hold the job secret without sending it, and a
+//! connection is used only once both are admitted and the ranks are the expected ones.
 
-use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::time::{Duration, Instant};
 
 use crate::error::{DdpError, Result};
-use crate::secret::{JobSecret, MAX_SECRET_LEN, admits};
+use crate::secret::handshake::{self, Side};
+use crate::secret::{Domain, JobSecret};
 use crate::store::Store;
-use crate::wire::{DecodeError, FrameError, Reader, Writer, read_frame, write_frame};
+use crate::wire::{Reader, Writer};
 
 mod iface;
 
-const HELLO_MAGIC: &[u8; 8] = b"BDDPMESH";
-const HELLO_LEN: usize = 16;
+/// First bytes of every data-plane connection, both directions (`3`: challenge-response).
+const MAGIC: &[u8; 8] = b"BDDPMSH3";
 /// Kernel socket buffers of data-plane connections (the kernel may cap or double it).
 const SOCKET_BUFFER: usize = 4 << 20;
+/// Longest a single admission may take (a silent connection holds the accepting rank this long).
+const ADMISSION_TIMEOUT: Duration = Duration::from_secs(10);
 
-/// Sends this rank's hello: magic, rank, world size, then the secret as a frame.
-fn send_hello(
-    stream: &mut TcpStream,
-    rank: usize,
-    world: usize,
-    secret: Option<&JobSecret>,
-) -> std::io::Result<()> {
+/// This side of a data-plane admission: claims `rank` of `world`.
+fn side<'a>(claims: &'a [u8], secret: Option<&'a JobSecret>) -> Side<'a> {
+    Side {
+        domain: Domain::DataPlane,
+        magic: MAGIC,
+        secret,
+        claims,
+    }
+}
+
+fn claims(rank: usize, world: usize) -> Vec<u8> {
     let mut w = Writer::default();
-    w.buf.extend_from_slice(HELLO_MAGIC);
     w.u32(rank as u32).u32(world as u32);
-    stream.write_all(&w.buf)?;
-    write_frame(stream, secret.map_or(&[][..], JobSecret::as_bytes))
+    w.buf
 }
 
-/// Why a connection's hello was refused.
-#[derive(Debug, thiserror::Error)]
-enum HelloError {
-    /// The socket failed.
-    #[error("{0}")]
-    Io(#[from] std::io::Error),
-    /// The secret's frame could not be read.
-    #[error("{0}")]
-    Frame(#[from] FrameError),
-    /// The hello does not start with burn-ddp's magic.
-    #[error("not a burn-ddp peer (bad hello)")]
-    NotAPeer,
-    /// The hello's fields do not decode.
-    #[error("{0}")]
-    Decode(#[from] DecodeError),
-    /// The peer does not present the job secret.
-    #[error("it claims to be rank {rank} but does not present the job secret (BURN_DDP_SECRET)")]
-    NoSecret {
-        /// The rank it claims to be.
-        rank: usize,
-    },
-}
-
-/// Reads a peer's hello; refuses it unless it presents `secret`.
-fn read_hello(
-    stream: &mut TcpStream,
-    secret: Option<&JobSecret>,
-) -> std::result::Result<(usize, usize), HelloError> {
-    let mut buf = [0u8; HELLO_LEN];
-    stream.read_exact(&mut buf)?;
-    let (rank, world) = parse_hello(&buf)?;
-    let presented = read_frame(stream, MAX_SECRET_LEN)?;
-    if !admits(secret, &presented) {
-        return Err(HelloError::NoSecret { rank });
-    }
-    Ok((rank, world))
-}
-
-fn parse_hello(b: &[u8]) -> std::result::Result<(usize, usize), HelloError> {
-    if &b[..8] != HELLO_MAGIC {
-        return Err(HelloError::NotAPeer);
-    }
-    let mut r = Reader::new(&b[8..]);
-    Ok((r.u32()? as usize, r.u32()? as usize))
+/// The rank and world size a peer claims; `None` when its claims do not decode.
+fn parse_claims(b: &[u8]) -> Option<(usize, usize)> {
+    let mut r = Reader::new(b);
+    let parsed = (r.u32().ok()? as usize, r.u32().ok()? as usize);
+    r.finish().ok()?;
+    Some(parsed)
 }
 
 fn addr_key(rank: usize) -> String {
@@ -151,6 +118,7 @@ pub(crate) fn connect(
         other => other,
     })?;
 
+    let mine = claims(rank, world);
     let mut peers: Vec<Option<TcpStream>> = (0..world).map(|_| None).collect();
     for (peer, slot) in peers.iter_mut().enumerate().take(rank) {
         let raw = store.get(&addr_key(peer))?;
@@ -160,20 +128,25 @@ pub(crate) fn connect(
         let left = deadline
             .saturating_duration_since(Instant::now())
             .max(Duration::from_millis(1));
-        let mut stream = TcpStream::connect_timeout(&addr, left)
+        let stream = TcpStream::connect_timeout(&addr, left)
             .map_err(|e| fail(format!("cannot connect to rank {peer} at {addr}: {e}")))?;
-        stream
-            .set_read_timeout(Some(left))
-            .and_then(|_| send_hello(&mut stream, rank, world, secret))
-            .map_err(|e| fail(format!("cannot greet rank {peer} at {addr}: {e}")))?;
-        match read_hello(&mut stream, secret) {
-            Ok((r, w)) if r == peer && w == world => {}
-            Ok((r, w)) => {
+        let _ = stream.set_nodelay(true);
+        let until = deadline.min(Instant::now() + ADMISSION_TIMEOUT);
+        let answer =
+            handshake::initiate(&stream, &side(&mine, secret), until).map_err(|source| {
+                DdpError::Admission {
+                    connection: format!("rank {rank}: data plane of rank {peer} at {addr}"),
+                    source,
+                }
+            })?;
+        match parse_claims(&answer) {
+            Some((r, w)) if r == peer && w == world => {}
+            Some((r, w)) => {
                 return Err(fail(format!(
                     "{addr} answered as rank {r} of {w}, expected rank {peer} of {world}"
                 )));
             }
-            Err(e) => return Err(fail(format!("{addr} (rank {peer}): {e}"))),
+            None => return Err(fail(format!("{addr} (rank {peer}) sent malformed claims"))),
         }
         *slot = Some(stream);
     }
@@ -183,7 +156,7 @@ pub(crate) fn connect(
         .map_err(|e| DdpError::io("configuring the data-plane listener", e))?;
     let mut expected = world - 1 - rank;
     while expected > 0 {
-        let (mut stream, from) = match listener.accept() {
+        let (stream, from) = match listener.accept() {
             Ok(s) => s,
             Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
                 if Instant::now() >= deadline {
@@ -198,37 +171,47 @@ pub(crate) fn connect(
             }
             Err(e) => return Err(DdpError::io("accepting a peer", e)),
         };
-        let left = deadline
-            .saturating_duration_since(Instant::now())
-            .max(Duration::from_millis(1));
-        let greeting = stream
+        let until = deadline.min(Instant::now() + ADMISSION_TIMEOUT);
+        let admission = stream
             .set_nonblocking(false)
-            .and_then(|_| stream.set_read_timeout(Some(left.min(Duration::from_secs(10)))))
-            .map_err(HelloError::Io)
-            .and_then(|_| read_hello(&mut stream, secret));
-        let peer = match greeting {
+            .map_err(|source| handshake::AdmissionError::Io {
+                step: "configuring the socket",
+                source,
+            })
+            .and_then(|_| handshake::respond(&stream, &side(&mine, secret), until));
+        let verified = match admission {
             Err(e) => {
-                log::warn!("rank {rank}: ignoring a connection from {from}: {e}");
+                log::warn!("rank {rank}: refused a data-plane connection from {from}: {e}");
                 continue;
             }
-            Ok((_, w)) if w != world => {
-                return Err(fail(format!(
-                    "a peer at {from} believes WORLD_SIZE={w}, this rank has {world}"
-                )));
-            }
-            Ok((r, _)) if r <= rank || r >= world => {
-                return Err(fail(format!(
-                    "unexpected connection from rank {r} at {from}"
-                )));
-            }
-            Ok((r, _)) if peers[r].is_some() => {
-                return Err(fail(format!(
-                    "rank {r} joined twice (second time from {from}): two processes have RANK={r}"
-                )));
-            }
-            Ok((r, _)) => r,
+            Ok(v) => v,
         };
-        send_hello(&mut stream, rank, world, secret)
+        // Only an admitted peer's claims can stop the group.
+        let Some((peer, w)) = parse_claims(&verified.claims) else {
+            log::warn!("rank {rank}: refused a data-plane connection from {from}: bad claims");
+            verified.refuse(&stream, "malformed claims");
+            continue;
+        };
+        let problem = if w != world {
+            Some(format!(
+                "a peer at {from} believes WORLD_SIZE={w}, this rank has {world}"
+            ))
+        } else if peer <= rank || peer >= world {
+            Some(format!("unexpected connection from rank {peer} at {from}"))
+        } else if peers[peer].is_some() {
+            Some(format!(
+                "rank {peer} joined twice (second time from {from}): two processes have \
+                 RANK={peer}"
+            ))
+        } else {
+            None
+        };
+        if let Some(reason) = problem {
+            verified.refuse(&stream, &format!("rank {rank}: {reason}"));
+            return Err(fail(reason));
+        }
+        verified
+            .admit(&stream)
             .map_err(|e| fail(format!("cannot answer rank {peer}: {e}")))?;
         peers[peer] = Some(stream);
         expected -= 1;

@@ -1,14 +1,13 @@
 //! Only the job's ranks get in: the store and the data plane require the job secret, and the
 //! store listens on the master address only unless told otherwise.
 
-use std::io::{Read, Write};
 use std::net::{IpAddr, TcpStream, UdpSocket};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use burn_ddp::launch::free_port;
-use burn_ddp::secret::JobSecret;
+use burn_ddp::secret::{AdmissionError, JobSecret};
 use burn_ddp::store::{Store, StoreServer};
-use burn_ddp::{ProcessGroup, ReduceOp};
+use burn_ddp::{DdpError, ProcessGroup, ReduceOp};
 
 use crate::common::{options, run_world_with_secret};
 
@@ -25,23 +24,35 @@ fn the_store_admits_only_clients_with_the_job_secret() {
     );
     let other = JobSecret::generate().unwrap();
     let wrong = Store::connect_with_secret(&addr, t, Some(&other)).unwrap_err();
-    assert!(wrong.to_string().contains("refused"), "{wrong}");
+    assert!(wrong.to_string().contains("could not prove"), "{wrong}");
     let ok = Store::connect_with_secret(&addr, t, Some(&secret)).unwrap();
     ok.set("k", b"v").unwrap();
     assert_eq!(ok.get("k").unwrap(), b"v");
 }
 
-/// The mesh hello as a stray process would forge it: magic, rank, world, empty secret.
-fn forged_hello(rank: u32, world: u32) -> Vec<u8> {
-    let mut h = b"BDDPMESH".to_vec();
-    h.extend_from_slice(&rank.to_le_bytes());
-    h.extend_from_slice(&world.to_le_bytes());
-    h.extend_from_slice(&0u32.to_le_bytes());
-    h
+/// A process that is not part of the job but runs burn-ddp as rank 1 of 2 holding `secret`
+/// (or none), with a store of its own in which rank 0's data-plane address was planted: it
+/// reaches rank 0's data plane without ever passing rank 0's store.
+fn stray(rank0_addr: &[u8], secret: Option<JobSecret>) -> burn_ddp::Result<ProcessGroup> {
+    let own = StoreServer::bind_with_secret("127.0.0.1:0", secret.clone()).unwrap();
+    let port = own.local_addr().port();
+    let store = Store::connect_with_secret(&format!("127.0.0.1:{port}"), T, secret.as_ref());
+    store.unwrap().set("bddp/mesh/addr/0", rank0_addr).unwrap();
+    let mut b = ProcessGroup::builder(1, 2)
+        .master_addr("127.0.0.1")
+        .master_port(port)
+        .host_store(false)
+        .options(options(10));
+    if let Some(s) = secret {
+        b = b.secret(s);
+    }
+    b.build()
 }
 
+const T: Duration = Duration::from_secs(5);
+
 #[test]
-fn a_stray_process_claiming_a_rank_cannot_join_the_data_plane() {
+fn strays_claiming_a_rank_cannot_join_the_data_plane() {
     let secret = JobSecret::generate().unwrap();
     let server = StoreServer::bind_with_secret("127.0.0.1:0", Some(secret.clone())).unwrap();
     let port = server.local_addr().port();
@@ -51,31 +62,52 @@ fn a_stray_process_claiming_a_rank_cannot_join_the_data_plane() {
             .master_port(port)
             .host_store(false)
             .secret(secret.clone())
-            .options(options(10))
+            .options(options(20))
             .build()
     };
+    let store = Store::connect_with_secret(&format!("127.0.0.1:{port}"), T, Some(&secret));
+    let store = store.unwrap();
     std::thread::scope(|s| {
         let rank0 = s.spawn(|| build(0));
-        // The stray learns rank 0's data-plane port (here from the store, as a port scan
-        // would) and connects first, pretending to be rank 1.
-        let store = Store::connect_with_secret(
-            &format!("127.0.0.1:{port}"),
-            Duration::from_secs(5),
-            Some(&secret),
-        )
-        .unwrap();
-        let addr = String::from_utf8(store.get("bddp/mesh/addr/0").unwrap()).unwrap();
-        let mut stray = TcpStream::connect(&addr).unwrap();
-        stray.write_all(&forged_hello(1, 2)).unwrap();
-        // The real rank 1 comes after it (rank 0 accepts once every rank has published).
+        let addr0 = store.get("bddp/mesh/addr/0").unwrap();
+        // A placeholder for rank 1's address lets rank 0 start accepting before rank 1 runs,
+        // so the strays are the first to reach it.
+        store.set("bddp/mesh/addr/1", b"127.0.0.1:1").unwrap();
+
+        let start = Instant::now();
+        let wrong = stray(&addr0, Some(JobSecret::generate().unwrap())).unwrap_err();
+        assert!(
+            matches!(
+                &wrong,
+                DdpError::Admission {
+                    source: AdmissionError::Unproven { .. },
+                    ..
+                }
+            ),
+            "{wrong}"
+        );
+        let shown = wrong.to_string();
+        assert!(shown.contains("data plane of rank 0") && shown.contains("could not prove"));
+        let none = stray(&addr0, None).unwrap_err();
+        assert!(
+            matches!(
+                &none,
+                DdpError::Admission {
+                    source: AdmissionError::Refused { .. },
+                    ..
+                }
+            ),
+            "{none}"
+        );
+        assert!(none.to_string().contains("BURN_DDP_SECRET"), "{none}");
+        assert!(
+            start.elapsed() < Duration::from_secs(10),
+            "{:?}",
+            start.elapsed()
+        );
+
+        // The real rank 1 still joins, and the collectives see only real ranks.
         let rank1 = s.spawn(|| build(1));
-        stray
-            .set_read_timeout(Some(Duration::from_secs(10)))
-            .unwrap();
-        let mut answer = Vec::new();
-        let _ = stray.read_to_end(&mut answer);
-        assert!(answer.is_empty(), "rank 0 answered the stray: {answer:?}");
-        // Rank 1 still joins, and the collectives see only real ranks.
         let groups = [
             rank0.join().unwrap().unwrap(),
             rank1.join().unwrap().unwrap(),
