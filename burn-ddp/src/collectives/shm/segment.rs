@@ -90,9 +90,8 @@ impl Layout {
 /// The segment's name in `shm_open`'s form (`/burn-ddp-<port>-<token>`), unique per job: the
 /// store's port and a random token rank 0 draws.
 pub(crate) fn segment_name(port: u16) -> io::Result<String> {
-    use std::io::Read;
     let mut token = [0u8; 8];
-    std::fs::File::open("/dev/urandom")?.read_exact(&mut token)?;
+    getrandom::fill(&mut token).map_err(|e| io::Error::other(e.to_string()))?;
     Ok(format!(
         "/{NAME_PREFIX}{port}-{}-{:016x}",
         std::process::id(),
