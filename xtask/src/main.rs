@@ -9,7 +9,8 @@
 //! - `multi-gpu [--nproc-per-node N] [--nnodes M --node-rank R --master-addr A --master-port P]`:
 //!   one rank per visible GPU (`CUDA_VISIBLE_DEVICES` respected), examples built with CUDA.
 //! - `bench-collectives [--world N] [--sizes 4K,64M,...] [--chunk 512K] [--spin-us 20]
-//!   [--op sum|avg|max] [--debug]`: the all-reduce benchmark on N rank processes.
+//!   [--op sum|avg|max] [--transport auto|tcp|shm] [--gloo PYTHON] [--debug]`: the all-reduce
+//!   benchmark on N rank processes (and PyTorch gloo's in the same run).
 //! - `bench-train [--epochs 3] [--repeats 3] [--batch-size 32] [--samples N] [--debug]`:
 //!   quickstart step time of `DdpLearner` at world size 1 against burn's `Learner`, and
 //!   samples/s at world size 2 against 1.
@@ -17,6 +18,8 @@
 //!   for a bare machine with a GPU, CUDA 13 and NCCL (no cargo, no network).
 //! - `soak [--iters 5000]`: the long soak test (random all-reduces on 4 ranks, results checked,
 //!   resident memory reported).
+//! - `cluster [--hosts 2] [--nproc-per-host 1] [--link-rate 1gbit] -- PROGRAM ARGS`: PROGRAM on
+//!   several hosts made of network namespaces on this machine (root), one launcher per host.
 //!
 //! The CPU tasks build every binary and example of the workspace in one `cargo build` (the
 //! selection `cargo test --workspace` makes, so they share its build of burn); the benchmarks
@@ -25,6 +28,7 @@
 mod bench;
 mod build;
 mod bundle;
+mod cluster;
 mod ranks;
 
 use std::process::Command;
@@ -54,6 +58,8 @@ enum Task {
     GpuBundle(bundle::GpuBundle),
     /// The long soak test: random all-reduces on 4 ranks, checked; resident memory reported
     Soak(Soak),
+    /// A program on several hosts made of network namespaces here (root), one launcher each
+    Cluster(cluster::ClusterTask),
 }
 
 /// The long soak test of burn-ddp's integration tests.
@@ -86,5 +92,6 @@ fn main() -> Result<()> {
         Task::BenchTrain(t) => bench::bench_train(t),
         Task::GpuBundle(t) => bundle::gpu_bundle(t),
         Task::Soak(t) => soak(t),
+        Task::Cluster(t) => cluster::cluster(t),
     }
 }

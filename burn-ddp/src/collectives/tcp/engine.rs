@@ -70,6 +70,8 @@ pub(super) struct Engine {
     timeout: Duration,
     /// How long to retry the sockets before sleeping in the poller.
     spin: Duration,
+    /// This rank's predecessor in its ring across hosts, in a hierarchical group.
+    cross_prev: Option<usize>,
 }
 
 fn is_would_block(e: &io::Error) -> bool {
@@ -116,7 +118,21 @@ impl Engine {
             scratch: Vec::new(),
             timeout,
             spin,
+            cross_prev: None,
         })
+    }
+
+    /// Sets this rank's predecessor in its ring across hosts (hierarchical all-reduce), a peer
+    /// that sends it data besides the group ring's predecessor.
+    pub(super) fn set_cross_prev(&mut self, prev: usize) {
+        self.cross_prev = Some(prev);
+    }
+
+    /// The peers that send this rank data: the group ring's predecessor and the one across
+    /// hosts (the same twice without one).
+    fn senders(&self) -> [usize; 2] {
+        let prev = self.ring().prev;
+        [prev, self.cross_prev.unwrap_or(prev)]
     }
 
     /// The group's ring: this rank's successor and predecessor by rank.
@@ -167,7 +183,7 @@ impl Engine {
             self.scratch.resize(longest.div_ceil(8), 0);
         }
         let Neighbours { next, prev } = ring;
-        let group_prev = self.ring().prev;
+        let senders = self.senders();
         let timeout = self.timeout;
         let scratch: &mut [u8] = bytemuck::cast_slice_mut(&mut self.scratch);
         let (mut sent, mut send_off) = (0usize, 0usize);
@@ -194,7 +210,7 @@ impl Engine {
                 match res {
                     Ok(0) => {
                         let e = io::ErrorKind::WriteZero.into();
-                        return Err(send_failed(&mut self.peers, (prev, group_prev), next, e));
+                        return Err(send_failed(&mut self.peers, (prev, senders), next, e));
                     }
                     Ok(k) => {
                         send_off += k;
@@ -207,7 +223,7 @@ impl Engine {
                     Err(e) if is_would_block(&e) => break,
                     Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
                     Err(e) => {
-                        return Err(send_failed(&mut self.peers, (prev, group_prev), next, e));
+                        return Err(send_failed(&mut self.peers, (prev, senders), next, e));
                     }
                 }
             }
@@ -302,7 +318,7 @@ impl Engine {
             let woken: Vec<usize> = self.events.iter().map(|e| e.token().0).collect();
             for peer in woken {
                 if peer != prev {
-                    check_control(&mut self.peers, peer, group_prev)?;
+                    check_control(&mut self.peers, peer, senders)?;
                 }
             }
         }
@@ -311,8 +327,8 @@ impl Engine {
     /// Whether `peer` closed its connection or left the group (for transports that wait on it
     /// elsewhere, as shared memory does): what happened, in words.
     pub(super) fn peer_gone(&mut self, peer: usize) -> Option<String> {
-        let data_from = self.ring().prev;
-        if let Err(fault) = check_control(&mut self.peers, peer, data_from) {
+        let senders = self.senders();
+        if let Err(fault) = check_control(&mut self.peers, peer, senders) {
             return Some(fault.detail);
         }
         let left = self.peers.get(peer)?.as_ref()?.departed;
@@ -348,15 +364,15 @@ impl Engine {
 
 /// Explains a failed send to `next`: a goodbye waiting on the same connection says the peer
 /// left; otherwise the socket error says how it went.
-/// `prev` is the schedule's predecessor, `group_prev` the group ring's.
+/// `prev` is the schedule's predecessor, `senders` the peers that send this rank data.
 fn send_failed(
     peers: &mut [Option<Peer>],
-    (prev, group_prev): (usize, usize),
+    (prev, senders): (usize, [usize; 2]),
     next: usize,
     e: io::Error,
 ) -> Fault {
     if next != prev {
-        if let Err(specific) = check_control(peers, next, group_prev) {
+        if let Err(specific) = check_control(peers, next, senders) {
             return specific;
         }
         if peers[next].as_ref().is_some_and(|p| p.departed) {
@@ -425,11 +441,11 @@ fn check_header(
 }
 
 /// Reads what `peer` wrote while this rank does not receive from it: a goodbye, or the close of
-/// a dead peer. Data headers are left in the socket: from `data_from` (the group ring's
-/// predecessor, which may run ahead into the next operation while this rank finishes a ring
-/// across hosts) they wait for that operation; from any other peer they mean the ranks disagree
-/// on the ring.
-fn check_control(peers: &mut [Option<Peer>], peer: usize, data_from: usize) -> Faulty {
+/// a dead peer. Data headers are left in the socket: from `senders` (the predecessors of this
+/// rank in the group's ring and in its ring across hosts, which may run ahead into the next
+/// operation while this rank finishes the other ring) they wait for that operation; from any
+/// other peer they mean the ranks disagree on the ring.
+fn check_control(peers: &mut [Option<Peer>], peer: usize, senders: [usize; 2]) -> Faulty {
     let Some(p) = peers.get_mut(peer).and_then(Option::as_mut) else {
         return Ok(());
     };
@@ -452,7 +468,7 @@ fn check_control(peers: &mut [Option<Peer>], peer: usize, data_from: usize) -> F
                     }
                     p.departed = true;
                 }
-                Ok(_) if peer == data_from => return Ok(()),
+                Ok(_) if senders.contains(&peer) => return Ok(()),
                 Ok(h) => {
                     return Err(Fault {
                         peer,

@@ -104,6 +104,10 @@ impl TcpTransport {
     /// Runs later collectives over shared memory: all of them on one host, all-reduce
     /// (hierarchically, across the ranks `across`) on several.
     pub(crate) fn use_shm(&mut self, setup: shm::setup::ShmSetup) {
+        if let Some(pos) = setup.across.iter().position(|&r| r == self.rank) {
+            self.engine
+                .set_cross_prev(Neighbours::in_ring(&setup.across, pos).prev);
+        }
         self.shm = Some(setup.channel);
         self.across = setup.across;
     }
