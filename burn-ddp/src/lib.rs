@@ -44,6 +44,7 @@ mod error;
 pub mod failure;
 mod group;
 pub mod launch;
+pub mod liveness;
 #[cfg(feature = "train")]
 pub mod nn;
 pub mod secret;

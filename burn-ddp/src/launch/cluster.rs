@@ -264,22 +264,31 @@ impl Cluster {
         &self.id
     }
 
+    /// The processes running on host `i`.
+    pub fn pids(&self, i: usize) -> Vec<i32> {
+        Command::new("ip")
+            .args(["netns", "pids", &self.namespace(i)])
+            .output()
+            .map(|o| String::from_utf8_lossy(&o.stdout).into_owned())
+            .unwrap_or_default()
+            .split_whitespace()
+            .filter_map(|p| p.parse().ok())
+            .collect()
+    }
+
+    /// Sends `signal` to every process on host `i`.
+    pub fn signal_host(&self, i: usize, signal: rustix::process::Signal) {
+        for pid in self.pids(i) {
+            if let Some(pid) = rustix::process::Pid::from_raw(pid) {
+                let _ = rustix::process::kill_process(pid, signal);
+            }
+        }
+    }
+
     /// Kills every process still running in the cluster's namespaces.
     pub fn kill_all(&self) {
         for i in 0..self.made_hosts {
-            let pids = Command::new("ip")
-                .args(["netns", "pids", &self.namespace(i)])
-                .output()
-                .map(|o| String::from_utf8_lossy(&o.stdout).into_owned())
-                .unwrap_or_default();
-            for pid in pids
-                .split_whitespace()
-                .filter_map(|p| p.parse::<i32>().ok())
-            {
-                if let Some(pid) = rustix::process::Pid::from_raw(pid) {
-                    let _ = rustix::process::kill_process(pid, rustix::process::Signal::KILL);
-                }
-            }
+            self.signal_host(i, rustix::process::Signal::KILL);
         }
     }
 }

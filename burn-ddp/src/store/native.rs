@@ -34,6 +34,7 @@ impl NativeClient {
             })
         };
         let _ = stream.set_nodelay(true);
+        crate::liveness::watch(&stream);
         let me = Side {
             domain: Domain::Store,
             magic: HELLO,

@@ -313,6 +313,7 @@ enum ServeError {
 /// (connection `id`) is admitted.
 fn admit(stream: &TcpStream, shared: &Shared, id: u64) -> std::result::Result<(), Refusal> {
     let _ = stream.set_nodelay(true);
+    crate::liveness::watch(stream);
     let me = Side {
         domain: Domain::Store,
         magic: HELLO,

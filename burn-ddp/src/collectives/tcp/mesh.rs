@@ -218,6 +218,7 @@ pub(crate) fn connect(
     }
 
     for stream in peers.iter().flatten() {
+        crate::liveness::watch(stream);
         let sock = socket2::SockRef::from(stream);
         stream
             .set_nodelay(true)

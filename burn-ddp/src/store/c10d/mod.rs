@@ -99,6 +99,7 @@ impl C10dClient {
             reason,
         };
         let _ = stream.set_nodelay(true);
+        crate::liveness::watch(&stream);
         // VALIDATE has no answer; GETNUMKEYS (known to every c10d server version) proves that
         // the server parsed it.
         let answer = send(&mut stream, Query::Validate)
