@@ -292,3 +292,109 @@ fn a_slow_but_connected_host_gets_the_whole_collective_timeout() {
     assert_all_succeeded(&ended);
     remove(cluster);
 }
+
+/// Host 1's launcher SIGKILLed mid-training: its ranks die with it (they asked the kernel to),
+/// and the ranks on host 0 name a lost rank and exit.
+#[test]
+fn a_killed_host_launcher_takes_its_ranks_and_host_0_names_them() {
+    let test = "host 1's launcher killed";
+    let Some(cluster) = cluster_or_skip(test, ClusterConfig::new(2)) else {
+        return;
+    };
+    let quickstart = example_bin("quickstart", "quickstart");
+    let job = job(
+        2,
+        quickstart,
+        &["--epochs", "1000", "--samples", "1024", "--quiet"],
+        &[("BURN_DDP_TIMEOUT", "300"), ("BURN_DDP_LINK_TIMEOUT", "8")],
+    );
+    let mut children: Vec<Child> = (0..2).map(|i| cluster.spawn(&job, i).unwrap()).collect();
+    std::thread::sleep(Duration::from_secs(4));
+    children[1].kill().unwrap();
+    let killed = Instant::now();
+    let ended = wait_all(children, Duration::from_secs(120));
+    let after = killed.elapsed();
+    eprintln!(
+        "--- host 0 ({after:?} after the kill):\n{}",
+        ended[0].output
+    );
+    assert!(ended[0].status.is_some_and(|s| !s.success()));
+    let out = &ended[0].output;
+    assert!(
+        out.contains("rank 2") || out.contains("rank 3"),
+        "host 0 names no rank of host 1: {out}"
+    );
+    assert!(after < Duration::from_secs(30), "took {after:?}");
+    assert_eq!(cluster.pids(1), Vec::<i32>::new(), "ranks of host 1 left");
+    remove(cluster);
+}
+
+/// A checkpointing job cut by a link failure, started again on the healed cluster, resumes
+/// from its last checkpoint and ends with the bits of an uninterrupted run.
+#[test]
+fn a_job_cut_by_a_link_failure_resumes_bit_identical() {
+    let test = "resume after a cut link";
+    let Some(cluster) = cluster_or_skip(test, ClusterConfig::new(2)) else {
+        return;
+    };
+    let quickstart = example_bin("quickstart", "quickstart");
+    let dir = std::env::temp_dir().join(format!("burn-ddp-cluster-resume-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let run = |name: &str| {
+        let (ckpt, out, art) = (
+            dir.join(format!("{name}-ckpt")).display().to_string(),
+            dir.join(format!("{name}.f32")).display().to_string(),
+            dir.join(format!("{name}-art")).display().to_string(),
+        );
+        let args = [
+            "--epochs",
+            "40",
+            "--samples",
+            "4096",
+            "--quiet",
+            "--checkpoint-dir",
+            &ckpt,
+            "--params-out",
+            &out,
+            "--artifacts",
+            &art,
+        ];
+        job(
+            1,
+            quickstart.clone(),
+            &args,
+            &[("BURN_DDP_TIMEOUT", "300"), ("BURN_DDP_LINK_TIMEOUT", "4")],
+        )
+    };
+    let whole = run("whole");
+    assert_all_succeeded(&run_on(&cluster, &whole, Duration::from_secs(300)));
+
+    let cut = run("cut");
+    let children: Vec<Child> = (0..2).map(|i| cluster.spawn(&cut, i).unwrap()).collect();
+    std::thread::sleep(Duration::from_secs(5));
+    cluster.set_link(1, false).unwrap();
+    let ended = wait_all(children, Duration::from_secs(120));
+    assert!(
+        ended.iter().all(|e| e.status.is_some_and(|s| !s.success())),
+        "the cut must stop the job"
+    );
+    cluster.set_link(1, true).unwrap();
+    let again = run_on(&cluster, &cut, Duration::from_secs(300));
+    assert_all_succeeded(&again);
+    // Rank 0 logs where it resumed from into burn-train's log of the run.
+    let log = std::fs::read_to_string(dir.join("cut-art").join("experiment.log")).unwrap();
+    let resumed = log.lines().find(|l| l.contains("resuming from"));
+    eprintln!("{resumed:?}");
+    assert!(
+        resumed.is_some_and(|l| !l.contains("epoch 0,")),
+        "the second run must resume from a checkpoint past the start:\n{log}"
+    );
+    assert_eq!(
+        std::fs::read(dir.join("cut.f32")).unwrap(),
+        std::fs::read(dir.join("whole.f32")).unwrap(),
+        "resumed run differs from the uninterrupted one"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+    remove(cluster);
+}
