@@ -36,29 +36,63 @@ pub struct BenchCollectives {
     /// installed), and print the ratios
     #[arg(long, value_name = "PYTHON")]
     gloo: Option<PathBuf>,
+    /// Run on this many hosts made of network namespaces (root; see `cargo xtask cluster`),
+    /// comparing the flat TCP ring with the hierarchical all-reduce
+    #[arg(long, value_name = "N")]
+    hosts: Option<usize>,
+    /// With --hosts: ranks per host
+    #[arg(long, value_name = "N", default_value_t = 2, requires = "hosts")]
+    nproc_per_host: usize,
+    /// With --hosts: rate of each host's link in tc syntax (`1gbit`) [default: unlimited]
+    #[arg(long, value_name = "RATE", requires = "hosts")]
+    link_rate: Option<String>,
     /// Build in the dev profile (quick to build, not for figures)
     #[arg(long)]
     debug: bool,
 }
 
+impl BenchCollectives {
+    /// The flags of the rank program that this task forwards (not the transport).
+    pub fn forwarded(&self) -> Vec<String> {
+        let mut out = Vec::new();
+        let spin = self.spin_us.map(|us| us.to_string());
+        for (name, value) in [
+            ("--sizes", &self.sizes),
+            ("--chunk", &self.chunk),
+            ("--spin-us", &spin),
+            ("--op", &self.op),
+        ] {
+            if let Some(v) = value {
+                out.extend([name.to_string(), v.clone()]);
+            }
+        }
+        out
+    }
+
+    /// Hosts, ranks per host and link rate of a cross-host run.
+    pub fn across(&self) -> (usize, usize, Option<&str>, bool) {
+        (
+            self.hosts.unwrap_or(1),
+            self.nproc_per_host,
+            self.link_rate.as_deref(),
+            self.debug,
+        )
+    }
+}
+
 /// Runs `bench-collectives`.
 pub fn bench_collectives(task: BenchCollectives) -> Result<()> {
+    if task.hosts.is_some() {
+        return crate::cluster::bench_across_hosts(&task);
+    }
     let exe = build_cpu_program("bench_collectives", !task.debug)?;
     let scratch = std::env::temp_dir().join(format!("burn-ddp-bench-coll-{}", std::process::id()));
     std::fs::create_dir_all(&scratch)?;
     let ours = scratch.join("burn-ddp.txt");
     let mut forwarded = vec!["--report".to_string(), ours.display().to_string()];
-    let spin = task.spin_us.map(|us| us.to_string());
-    for (name, value) in [
-        ("--sizes", &task.sizes),
-        ("--chunk", &task.chunk),
-        ("--spin-us", &spin),
-        ("--op", &task.op),
-        ("--transport", &task.transport),
-    ] {
-        if let Some(v) = value {
-            forwarded.extend([name.to_string(), v.clone()]);
-        }
+    forwarded.extend(task.forwarded());
+    if let Some(t) = &task.transport {
+        forwarded.extend(["--transport".to_string(), t.clone()]);
     }
     launch(&LaunchConfig::new(exe, task.world).args(forwarded)).context("benchmark failed")?;
     if let Some(python) = &task.gloo {
@@ -75,9 +109,10 @@ pub fn bench_collectives(task: BenchCollectives) -> Result<()> {
 }
 
 /// One size's figures: bytes, median time in microseconds, bus bandwidth in GB/s.
-type Row = (u64, f64, f64);
+pub type Row = (u64, f64, f64);
 
-fn read_report(path: &Path) -> Result<Vec<Row>> {
+/// Reads a `bench_collectives --report` file.
+pub fn read_report(path: &Path) -> Result<Vec<Row>> {
     let text = std::fs::read_to_string(path)
         .with_context(|| format!("reading the report {}", path.display()))?;
     text.lines()
@@ -151,7 +186,7 @@ fn print_comparison(ours: &[Row], gloo: &[Row]) {
 }
 
 /// `bytes` in K/M/G (binary) units.
-fn human(bytes: u64) -> String {
+pub fn human(bytes: u64) -> String {
     match bytes {
         b if b >= 1 << 30 && b % (1 << 30) == 0 => format!("{} GiB", b >> 30),
         b if b >= 1 << 20 && b % (1 << 20) == 0 => format!("{} MiB", b >> 20),

@@ -119,3 +119,89 @@ pub fn cluster(task: ClusterTask) -> Result<()> {
     }
     Ok(())
 }
+
+/// `bench-collectives --hosts N`: the all-reduce benchmark on a cluster of namespaces, over the
+/// flat TCP ring and the hierarchical all-reduce, with algbw as a fraction of the link rate.
+pub fn bench_across_hosts(task: &crate::bench::BenchCollectives) -> Result<()> {
+    use crate::bench::{human, read_report};
+    let (hosts, per_host, rate, debug) = task.across();
+    let launcher = build_cpu_program("burn-ddp-run", !debug)?;
+    let exe = build_cpu_program("bench_collectives", !debug)?;
+    let mut config = ClusterConfig::new(hosts);
+    config.link_rate = rate.map(str::to_string);
+    let cluster = Cluster::create(&config)?;
+    let scratch = std::env::temp_dir().join(format!("burn-ddp-bench-hosts-{}", std::process::id()));
+    std::fs::create_dir_all(&scratch)?;
+    let mut tables = Vec::new();
+    for (label, transport) in [("flat ring (tcp)", "tcp"), ("hierarchical (auto)", "auto")] {
+        let report = scratch.join(format!("{transport}.txt"));
+        let mut program: Vec<OsString> = vec![exe.clone().into_os_string()];
+        program.extend(task.forwarded().into_iter().map(OsString::from));
+        program.extend(["--transport", transport, "--report"].map(OsString::from));
+        program.push(report.clone().into_os_string());
+        let job = ClusterJob {
+            launcher: launcher.clone(),
+            nproc_per_host: per_host,
+            program,
+            env: Vec::new(),
+            master_port: 29_500,
+            secret: JobSecret::generate()?.to_env_value(),
+        };
+        eprintln!("bench-collectives: {label} on {hosts} hosts x {per_host}");
+        let children: Vec<_> = (0..hosts)
+            .map(|i| cluster.spawn(&job, i))
+            .collect::<std::io::Result<_>>()
+            .context("starting the launchers")?;
+        for (i, child) in children.into_iter().enumerate() {
+            let out = child.wait_with_output().context("waiting for a launcher")?;
+            if !out.status.success() {
+                bail!(
+                    "host {i} failed ({}):\n{}{}",
+                    out.status,
+                    String::from_utf8_lossy(&out.stdout),
+                    String::from_utf8_lossy(&out.stderr)
+                );
+            }
+        }
+        tables.push((label, read_report(&report)?));
+    }
+    drop(cluster);
+    let _ = std::fs::remove_dir_all(&scratch);
+    let link = rate.and_then(link_bytes_per_sec);
+    println!(
+        "all-reduce across {hosts} hosts x {per_host} ranks, links {}; algbw = size / time; \
+         the limit between two hosts is algbw = link rate",
+        rate.unwrap_or("unlimited")
+    );
+    println!(
+        "{:>9} {:>22} {:>12} {:>12} {:>9}",
+        "size", "algorithm", "median(us)", "algbw(MB/s)", "of link"
+    );
+    for row in 0..tables[0].1.len() {
+        for (label, rows) in &tables {
+            let Some(&(bytes, us, _)) = rows.get(row) else {
+                continue;
+            };
+            let algbw = bytes as f64 / (us * 1e-6);
+            let frac = link.map_or("-".to_string(), |l| format!("{:.3}", algbw / l));
+            println!(
+                "{:>9} {:>22} {:>12.1} {:>12.1} {:>9}",
+                human(bytes),
+                label,
+                us,
+                algbw / 1e6,
+                frac
+            );
+        }
+    }
+    Ok(())
+}
+
+/// A `tc` rate (`1gbit`, `100mbit`, `500kbit`) in bytes per second.
+fn link_bytes_per_sec(rate: &str) -> Option<f64> {
+    let r = rate.trim().to_ascii_lowercase();
+    let (num, mult) = [("gbit", 1e9), ("mbit", 1e6), ("kbit", 1e3), ("bit", 1.0)]
+        .into_iter()
+        .find_map(|(suffix, m)| r.strip_suffix(suffix).map(|n| (n.to_string(), m)))?;
+    num.trim().parse::<f64>().ok().map(|n| n * mult / 8.0)
+}
