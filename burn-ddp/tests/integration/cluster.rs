@@ -398,3 +398,37 @@ fn a_job_cut_by_a_link_failure_resumes_bit_identical() {
     let _ = std::fs::remove_dir_all(&dir);
     remove(cluster);
 }
+
+/// `BURN_DDP_SOCKET_IFNAME` on real hosts: the host's own interface works, an unknown name is a
+/// clear error before any rank waits.
+#[test]
+fn socket_ifname_picks_the_hosts_interface_and_a_wrong_one_is_named() {
+    let test = "BURN_DDP_SOCKET_IFNAME across hosts";
+    let Some(cluster) = cluster_or_skip(test, ClusterConfig::new(2)) else {
+        return;
+    };
+    let hello = example_bin("hello_ddp", "hello_ddp");
+    let good = job(1, hello.clone(), &[], &[("BURN_DDP_SOCKET_IFNAME", "eth0")]);
+    assert_all_succeeded(&run_on(&cluster, &good, Duration::from_secs(60)));
+    let bad = job(1, hello, &[], &[("BURN_DDP_SOCKET_IFNAME", "eth9")]);
+    let start = Instant::now();
+    let ended = run_on(&cluster, &bad, Duration::from_secs(60));
+    for (i, e) in ended.iter().enumerate() {
+        assert!(
+            e.status.is_some_and(|s| !s.success()),
+            "host {i}: {}",
+            e.output
+        );
+        assert!(
+            e.output.contains("eth9"),
+            "host {i} does not name it: {}",
+            e.output
+        );
+    }
+    assert!(
+        start.elapsed() < Duration::from_secs(30),
+        "{:?}",
+        start.elapsed()
+    );
+    remove(cluster);
+}
