@@ -39,16 +39,16 @@ pub struct BenchCollectives {
     /// Run on this many hosts made of network namespaces (root; see `cargo xtask cluster`),
     /// comparing the flat TCP ring with the hierarchical all-reduce
     #[arg(long, value_name = "N")]
-    hosts: Option<usize>,
+    pub(crate) hosts: Option<usize>,
     /// With --hosts: ranks per host
     #[arg(long, value_name = "N", default_value_t = 2, requires = "hosts")]
-    nproc_per_host: usize,
+    pub(crate) nproc_per_host: usize,
     /// With --hosts: rate of each host's link in tc syntax (`1gbit`) [default: unlimited]
     #[arg(long, value_name = "RATE", requires = "hosts")]
-    link_rate: Option<String>,
+    pub(crate) link_rate: Option<String>,
     /// Build in the dev profile (quick to build, not for figures)
     #[arg(long)]
-    debug: bool,
+    pub(crate) debug: bool,
 }
 
 impl BenchCollectives {
@@ -67,16 +67,6 @@ impl BenchCollectives {
             }
         }
         out
-    }
-
-    /// Hosts, ranks per host and link rate of a cross-host run.
-    pub fn across(&self) -> (usize, usize, Option<&str>, bool) {
-        (
-            self.hosts.unwrap_or(1),
-            self.nproc_per_host,
-            self.link_rate.as_deref(),
-            self.debug,
-        )
     }
 }
 

@@ -124,7 +124,8 @@ pub fn cluster(task: ClusterTask) -> Result<()> {
 /// flat TCP ring and the hierarchical all-reduce, with algbw as a fraction of the link rate.
 pub fn bench_across_hosts(task: &crate::bench::BenchCollectives) -> Result<()> {
     use crate::bench::{human, read_report};
-    let (hosts, per_host, rate, debug) = task.across();
+    let (hosts, per_host, debug) = (task.hosts.unwrap_or(1), task.nproc_per_host, task.debug);
+    let rate = task.link_rate.as_deref();
     let launcher = build_cpu_program("burn-ddp-run", !debug)?;
     let exe = build_cpu_program("bench_collectives", !debug)?;
     let mut config = ClusterConfig::new(hosts);

@@ -57,16 +57,18 @@ fn wait_all(children: Vec<Child>, deadline: Duration) -> Vec<Ended> {
     let handles: Vec<_> = children
         .into_iter()
         .map(|mut c| {
-            let mut out = c.stdout.take().expect("piped stdout");
-            let mut err = c.stderr.take().expect("piped stderr");
-            let reader = std::thread::spawn(move || {
-                let mut s = String::new();
-                let _ = out.read_to_string(&mut s);
-                let mut e = String::new();
-                let _ = err.read_to_string(&mut e);
-                s + &e
-            });
-            (c, reader)
+            // One reader per pipe: a full stderr must not block the launcher while stdout is
+            // being read.
+            fn drain(mut pipe: impl Read + Send + 'static) -> std::thread::JoinHandle<String> {
+                std::thread::spawn(move || {
+                    let mut s = String::new();
+                    let _ = pipe.read_to_string(&mut s);
+                    s
+                })
+            }
+            let out = drain(c.stdout.take().expect("piped stdout"));
+            let err = drain(c.stderr.take().expect("piped stderr"));
+            (c, [out, err])
         })
         .collect();
     let mut ended = Vec::new();
@@ -84,7 +86,10 @@ fn wait_all(children: Vec<Child>, deadline: Duration) -> Vec<Ended> {
                 }
             }
         };
-        let output = reader.join().unwrap_or_default();
+        let output: String = reader
+            .into_iter()
+            .map(|r| r.join().unwrap_or_default())
+            .collect();
         ended.push(Ended { status, output });
     }
     ended
