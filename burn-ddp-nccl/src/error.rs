@@ -2,8 +2,9 @@
 
 use std::path::PathBuf;
 
-/// What can go wrong with CUDA and NCCL.
-#[derive(Debug, thiserror::Error)]
+/// What can go wrong with CUDA and NCCL. `Debug` shows the same sentence as `Display`, so any
+/// `main` that returns the error prints the message, not a struct.
+#[derive(thiserror::Error)]
 pub enum NcclError {
     /// A shared library is not loadable; says what was looked for and how to fix it.
     #[error(
@@ -58,4 +59,28 @@ pub enum NcclError {
         /// Why.
         reason: String,
     },
+}
+
+impl std::fmt::Debug for NcclError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        // No variant has a source: the message is the whole story.
+        std::fmt::Display::fmt(self, f)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn debug_is_the_message() {
+        let e = NcclError::Tensor {
+            rank: 1,
+            reason: "not on a CUDA device".into(),
+        };
+        assert_eq!(
+            format!("{e:?}"),
+            "rank 1: cannot all-reduce this tensor: not on a CUDA device"
+        );
+    }
 }

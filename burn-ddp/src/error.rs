@@ -1,5 +1,6 @@
 //! The error type of burn-ddp: every failure a user, an environment or a peer can cause.
 
+use std::fmt;
 use std::io;
 use std::time::Duration;
 
@@ -10,7 +11,10 @@ pub type Result<T, E = DdpError> = std::result::Result<T, E>;
 ///
 /// Messages name the rank that saw the failure, the rank that caused it where known, and the
 /// operation, so that a log line from any rank says what happened to the whole job.
-#[derive(Debug, thiserror::Error)]
+///
+/// `Debug` shows the same sentence as `Display` (with the causes it does not already name), so
+/// `fn main() -> Result<(), Box<dyn Error>>` prints the message, not a struct.
+#[derive(thiserror::Error)]
 pub enum DdpError {
     /// An environment variable is set but its value cannot be used.
     #[error("environment variable {var}={value:?} is invalid: {expected}")]
@@ -212,5 +216,65 @@ impl DdpError {
             context: context.into(),
             source,
         }
+    }
+}
+
+/// Writes `error`'s message, then the messages of its causes that the text does not already
+/// hold: the `Debug` form of burn-ddp's public errors.
+pub(crate) fn fmt_chain(error: &dyn std::error::Error, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+    let mut text = error.to_string();
+    let mut source = error.source();
+    let mut caused = false;
+    while let Some(cause) = source {
+        let message = cause.to_string();
+        if !text.contains(&message) {
+            if !caused {
+                text.push_str("\n\nCaused by:");
+                caused = true;
+            }
+            text.push_str("\n    ");
+            text.push_str(&message);
+        }
+        source = cause.source();
+    }
+    f.write_str(&text)
+}
+
+/// `Debug` as `Display` with the cause chain ([`fmt_chain`]), for public error types.
+macro_rules! debug_as_display {
+    ($($error:ty),* $(,)?) => {$(
+        impl std::fmt::Debug for $error {
+            fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                $crate::error::fmt_chain(self, f)
+            }
+        }
+    )*};
+}
+pub(crate) use debug_as_display;
+
+debug_as_display!(DdpError);
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn debug_is_the_message_with_its_causes() {
+        let e = DdpError::Disagreement("rank 0 has setting lr = 0.05 but rank 1 has 0.1".into());
+        assert_eq!(format!("{e:?}"), format!("{e}"));
+        assert!(!format!("{e:?}").contains("Disagreement("));
+        // A cause already in the message is not repeated.
+        let io = DdpError::io("reading x", io::Error::other("disk on fire"));
+        assert_eq!(format!("{io:?}"), "reading x: disk on fire");
+        // One that is not is listed.
+        let admission = DdpError::Admission {
+            connection: "store at 10.0.0.1:29500".into(),
+            source: crate::secret::AdmissionError::Io {
+                step: "reading the challenge",
+                source: io::Error::other("reset"),
+            },
+        };
+        let debug = format!("{admission:?}");
+        assert!(debug.starts_with(&admission.to_string()), "{debug}");
     }
 }

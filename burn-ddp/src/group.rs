@@ -54,6 +54,8 @@ pub struct ProcessGroup {
     transport: Transport,
     #[cfg(feature = "train")]
     devices: crate::collectives::device::DeviceBackends,
+    #[cfg(feature = "train")]
+    samplers: crate::train::SamplerRegistry,
     _server: Option<StoreServer>,
 }
 
@@ -188,6 +190,12 @@ impl ProcessGroup {
             Some(Ok(())) => Work::pending(self.rank, rx),
             _ => Work::done(self.rank, Err(DdpError::WorkerGone { rank: self.rank })),
         }
+    }
+
+    /// The samplers made for this group ([`crate::train::DistributedSampler::for_group`]).
+    #[cfg(feature = "train")]
+    pub(crate) fn samplers(&self) -> &crate::train::SamplerRegistry {
+        &self.samplers
     }
 
     /// The backends chosen for the devices tensors were on.

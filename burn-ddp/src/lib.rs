@@ -21,6 +21,26 @@
 //!   buffer synchronisation, uneven inputs;
 //! - `nn` (feature `train`): `SyncBatchNorm`, batch statistics over every rank's batch.
 //!
+//! ## Training with burn-train
+//!
+//! A burn-train program becomes data-parallel by two changes: `Learner::new` becomes
+//! `DdpLearner::new` and `training.launch` becomes `training.launch_ddp` (trait `DdpTraining`).
+//! The learner shards the training and validation loaders across the ranks (or takes a
+//! `DistributedSampler` for PyTorch's exact sampling), averages the gradients every step, and
+//! rank 0 alone reports metrics, counting every validation item once. The whole program, which
+//! trains alone or started once per device (`burn-ddp-run --nproc 2 ./my-trainer`, torchrun,
+//! srun, mpirun):
+//!
+#![cfg_attr(
+    feature = "train",
+    doc = concat!("```rust\n", include_str!("../../tests/user-crate/src/main.rs"), "```\n")
+)]
+//!
+//! It needs `burn = { version = "0.22", default-features = false, features = ["std", "flex",
+//! "autodiff", "optim", "train", "dataset"] }` and `burn-ddp` (feature `train`, on by default).
+//!
+//! ## Collectives
+//!
 //! ```no_run
 //! use burn_ddp::{init_process_group, ReduceOp};
 //! let group = init_process_group()?; // world of one when no launcher variables are set
@@ -63,3 +83,8 @@ pub use error::{DdpError, Result};
 pub use group::{
     GroupOptions, ProcessGroup, ProcessGroupBuilder, init_process_group, init_process_group_with,
 };
+
+// README.md's Rust code blocks run as doc tests (`cargo test --doc`).
+#[cfg(doctest)]
+#[doc = include_str!("../../README.md")]
+struct ReadmeDoctests;

@@ -20,7 +20,7 @@ pub const JOB_PORT_BASE: u16 = 10_000;
 pub const JOB_PORT_SPAN: u64 = 20_000;
 
 /// Why a Slurm node list or tasks-per-node list cannot be read.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[derive(Clone, PartialEq, Eq, thiserror::Error)]
 pub enum SlurmListError {
     /// Nothing but white space.
     #[error("the list is empty")]
@@ -78,6 +78,8 @@ pub enum SlurmListError {
     #[error("{0:?} repeats zero times")]
     ZeroRepeat(String),
 }
+
+crate::error::debug_as_display!(SlurmListError);
 
 /// One name of a node list: literal text and bracketed ranges, in order.
 #[derive(Debug, Clone, PartialEq)]

@@ -325,6 +325,8 @@ impl ProcessGroupBuilder {
             transport: in_use,
             #[cfg(feature = "train")]
             devices: Default::default(),
+            #[cfg(feature = "train")]
+            samplers: Default::default(),
             _server: server,
         })
     }

@@ -18,7 +18,7 @@ use std::process::{Command, Output, Stdio};
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 /// What can go wrong building or driving a cluster.
-#[derive(Debug, thiserror::Error)]
+#[derive(thiserror::Error)]
 pub enum ClusterError {
     /// Namespaces cannot be made here (not root, no iproute2, no permission): the reason.
     #[error("network namespaces are unavailable here: {0}")]
@@ -32,6 +32,8 @@ pub enum ClusterError {
         detail: String,
     },
 }
+
+crate::error::debug_as_display!(ClusterError);
 
 /// Settings of a [`Cluster`].
 #[derive(Debug, Clone, PartialEq, Eq)]

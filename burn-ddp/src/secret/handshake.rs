@@ -87,7 +87,7 @@ impl Domain {
 }
 
 /// Why two processes did not admit each other.
-#[derive(Debug, thiserror::Error)]
+#[derive(thiserror::Error)]
 pub enum AdmissionError {
     /// The peer did not prove that it holds the job secret, so this process did not trust it
     /// (and sent nothing that depends on the secret).
@@ -151,6 +151,8 @@ pub enum AdmissionError {
     #[error("drawing a nonce: {0}")]
     Random(String),
 }
+
+crate::error::debug_as_display!(AdmissionError);
 
 impl AdmissionError {
     /// Whether the peer closed the connection before its verdict, without refusing: a store

@@ -43,6 +43,8 @@ pub struct DdpLearner<M: LearnerModel> {
     group: Arc<ProcessGroup>,
     buckets: BucketConfig,
     samplers: Vec<DistributedSampler>,
+    valid_samplers: Vec<DistributedSampler>,
+    shard_loaders: bool,
     settings: Vec<(String, String)>,
     checkpoints: Option<CheckpointConfig>,
     desync_check: bool,
@@ -79,6 +81,8 @@ impl<M: LearnerModel> DdpLearner<M> {
             group,
             buckets: BucketConfig::default(),
             samplers: Vec::new(),
+            valid_samplers: Vec::new(),
+            shard_loaders: true,
             settings: Vec::new(),
             checkpoints: None,
             desync_check: true,
@@ -95,10 +99,31 @@ impl<M: LearnerModel> DdpLearner<M> {
         &self.group
     }
 
-    /// The training set's sampler: the learner advances its epoch and, when resuming, its
-    /// position within the epoch.
+    /// The training loader's [`DistributedSampler`], for PyTorch's exact semantics (a global
+    /// reshuffle every epoch, padded equal shares): the learner advances its epoch and, when
+    /// resuming, its position within the epoch, and does not shard the training loader itself.
+    /// Without one, each rank trains on a contiguous slice of the loader (see
+    /// [`DdpLearner::shard_loaders`]).
     pub fn sampler(mut self, sampler: &DistributedSampler) -> Self {
         self.samplers.push(sampler.clone());
+        self
+    }
+
+    /// The validation loader's [`DistributedSampler`] (build it with `.pad(false)` so that
+    /// every item is evaluated once): the learner sets its epoch and does not shard the
+    /// validation loader itself.
+    pub fn valid_sampler(mut self, sampler: &DistributedSampler) -> Self {
+        self.valid_samplers.push(sampler.clone());
+        self
+    }
+
+    /// Whether a training or validation loader without a registered sampler is sharded by the
+    /// learner (default true): rank `r` of `n` takes items `[r * len / n, (r + 1) * len / n)`
+    /// (burn's `DataLoader::slice`), so every item is on exactly one rank; the loader's own
+    /// shuffle, if any, reorders within each rank's slice. Rank 0 logs what it did. With
+    /// `false`, each rank's loaders are taken as its share already (sharded by your own code).
+    pub fn shard_loaders(mut self, shard: bool) -> Self {
+        self.shard_loaders = shard;
         self
     }
 
@@ -175,6 +200,7 @@ impl<M: LearnerModel> DdpLearner<M> {
     /// Checks agreement across ranks, broadcasts rank 0's parameters, and builds the burn
     /// `Learner` and the strategy that trains it.
     pub(crate) fn prepare(self) -> Result<(Learner<M>, DdpStrategy)> {
+        self.check_samplers()?;
         // On the autodiff device, parameters report whether they are trained.
         let device = self
             .model
@@ -186,6 +212,7 @@ impl<M: LearnerModel> DdpLearner<M> {
         let model = self.model.fork(&device);
         self.group.status().enter(Phase::Starting, None);
         let mut settings = self.settings;
+        settings.push(("shard_loaders".into(), self.shard_loaders.to_string()));
         settings.push(("desync_check".into(), self.desync_check.to_string()));
         settings.push(("buffer_sync".into(), self.buffer_sync.to_string()));
         settings.push(("uneven_inputs".into(), self.uneven.to_string()));
@@ -214,10 +241,40 @@ impl<M: LearnerModel> DdpLearner<M> {
             device,
             reducer,
             samplers: self.samplers,
+            valid_samplers: self.valid_samplers,
+            shard_loaders: self.shard_loaders,
             checkpoints: self.checkpoints,
             failure: Arc::new(Mutex::new(None)),
         };
         Ok((Learner::new(model, self.optim, self.lr), strategy))
+    }
+}
+
+impl<M: LearnerModel> DdpLearner<M> {
+    /// A sampler made for this group that wraps more datasets than the splits it is registered
+    /// for (none, or only training while it also feeds validation): the learner would shard
+    /// that loader a second time (by the sampler, then by slicing) and never set its epoch.
+    fn check_samplers(&self) -> Result<()> {
+        let registered = |s: &DistributedSampler| {
+            let for_split = |list: &[DistributedSampler]| list.iter().any(|r| r.same_as(s));
+            usize::from(for_split(&self.samplers)) + usize::from(for_split(&self.valid_samplers))
+        };
+        let in_use = self.group.samplers().in_use();
+        if let Some((sampler, datasets)) = in_use.iter().find(|(s, n)| *n > registered(s)) {
+            let splits = match registered(sampler) {
+                0 => "is not registered with the DdpLearner",
+                _ => "is registered for one split only",
+            };
+            return Err(DdpError::InvalidConfig(format!(
+                "rank {}: a DistributedSampler of this group wraps {datasets} dataset(s) but \
+                 {splits}, so the learner would shard a loader over it a second time and never \
+                 set its epoch: register the training loader's sampler with .sampler(&s) and \
+                 the validation loader's with .valid_sampler(&s) (one sampler may serve both), \
+                 or build the loaders over the whole datasets and let DdpLearner shard them",
+                self.group.rank()
+            )));
+        }
+        Ok(())
     }
 }
 

@@ -14,6 +14,7 @@ mod progress;
 mod quiet;
 mod reducer;
 mod sampler;
+mod shard;
 mod stop;
 mod strategy;
 mod telemetry;
@@ -28,5 +29,6 @@ pub use params::{ParamInfo, broadcast_module, check_agreement, flat_parameters, 
 pub use progress::{LineRenderer, ProgressOutput};
 pub use quiet::QuietRenderer;
 pub use reducer::GradientReducer;
+pub(crate) use sampler::SamplerRegistry;
 pub use sampler::{DistributedDataset, DistributedSampler};
 pub use telemetry::{DdpMetric, JobStats, StepInput, StepStats};

@@ -14,10 +14,16 @@
 //! epoch's order are skipped and the rest is padded and sharded as above, so with the same world
 //! size each rank continues exactly where it stopped, and with another world size the job sees
 //! the samples it had not seen yet.
+//!
+//! Without a sampler, `DdpLearner` shards the loaders itself (see `shard.rs`). A sampler made by
+//! [`DistributedSampler::for_group`] is known to its group, so that one which wraps a dataset
+//! but is not registered with the learner (the loader would be sharded twice) stops training
+//! before it starts; its datasets also log the first indices a loader asks for, which tells a
+//! loader that shuffles on its own.
 
 use std::marker::PhantomData;
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, Weak};
 
 use burn::data::dataset::{Dataset, DatasetError};
 
@@ -37,6 +43,52 @@ pub struct DistributedSampler {
     epoch: Arc<AtomicUsize>,
     /// Positions of the current epoch's order already consumed (by the whole job).
     skip: Arc<AtomicUsize>,
+    /// The datasets this sampler (or a clone) wraps.
+    datasets: Arc<Datasets>,
+}
+
+/// The datasets a sampler wraps, each with its access log.
+#[derive(Debug, Default)]
+struct Datasets(Mutex<Vec<Weak<AccessLog>>>);
+
+/// The first dataset indices a loader asked for while recording (at most [`AccessLog::KEEP`]).
+#[derive(Debug, Default)]
+struct AccessLog {
+    recording: AtomicBool,
+    indices: Mutex<Vec<usize>>,
+}
+
+impl AccessLog {
+    const KEEP: usize = 64;
+
+    fn record(&self, index: usize) {
+        if self.recording.load(Ordering::Relaxed) {
+            let mut indices = self.indices.lock().unwrap_or_else(|p| p.into_inner());
+            if indices.len() < Self::KEEP {
+                indices.push(index);
+            }
+        }
+    }
+}
+
+/// The samplers made for one process group ([`DistributedSampler::for_group`]).
+#[derive(Debug, Default)]
+pub(crate) struct SamplerRegistry(Mutex<Vec<DistributedSampler>>);
+
+impl SamplerRegistry {
+    fn add(&self, sampler: &DistributedSampler) {
+        let mut samplers = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        samplers.push(sampler.clone());
+    }
+
+    /// The samplers made for the group, with the number of live datasets each wraps.
+    pub(crate) fn in_use(&self) -> Vec<(DistributedSampler, usize)> {
+        let samplers = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        (samplers.iter())
+            .map(|s| (s.clone(), s.datasets_alive()))
+            .filter(|(_, n)| *n > 0)
+            .collect()
+    }
 }
 
 fn splitmix(state: &mut u64) -> u64 {
@@ -63,12 +115,57 @@ impl DistributedSampler {
             pad: true,
             epoch: Arc::new(AtomicUsize::new(0)),
             skip: Arc::new(AtomicUsize::new(0)),
+            datasets: Arc::default(),
         }
     }
 
-    /// The sampler of this process in `group`.
+    /// The sampler of this process in `group`. The group knows it: a `DdpLearner` of the group
+    /// refuses to train while it wraps more datasets than the splits it is registered for
+    /// ([`DdpLearner::sampler`](super::DdpLearner::sampler),
+    /// [`DdpLearner::valid_sampler`](super::DdpLearner::valid_sampler)), since the learner
+    /// would shard such a loader a second time.
     pub fn for_group(group: &crate::ProcessGroup) -> Self {
-        Self::new(group.rank(), group.world_size())
+        let sampler = Self::new(group.rank(), group.world_size());
+        group.samplers().add(&sampler);
+        sampler
+    }
+
+    /// Whether `other` is this sampler or one of its clones.
+    pub(crate) fn same_as(&self, other: &DistributedSampler) -> bool {
+        Arc::ptr_eq(&self.datasets, &other.datasets)
+    }
+
+    /// How many datasets made by [`DistributedSampler::dataset`] are alive.
+    pub(crate) fn datasets_alive(&self) -> usize {
+        let datasets = self.datasets.0.lock().unwrap_or_else(|p| p.into_inner());
+        datasets.iter().filter(|d| d.strong_count() > 0).count()
+    }
+
+    /// Starts (clearing) or stops logging the indices loaders ask of this sampler's datasets.
+    pub(crate) fn record_access(&self, on: bool) {
+        let datasets = self.datasets.0.lock().unwrap_or_else(|p| p.into_inner());
+        for log in datasets.iter().filter_map(Weak::upgrade) {
+            if on {
+                log.indices
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .clear();
+            }
+            log.recording.store(on, Ordering::Relaxed);
+        }
+    }
+
+    /// The indices logged since [`DistributedSampler::record_access`]`(true)`, per dataset.
+    pub(crate) fn accessed(&self) -> Vec<Vec<usize>> {
+        let datasets = self.datasets.0.lock().unwrap_or_else(|p| p.into_inner());
+        (datasets.iter().filter_map(Weak::upgrade))
+            .map(|log| {
+                log.indices
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .clone()
+            })
+            .collect()
     }
 
     /// Shuffle seed (must be the same on every rank).
@@ -172,10 +269,15 @@ impl DistributedSampler {
 
     /// Wraps `dataset` so that it yields this rank's share, in the sampler's order.
     pub fn dataset<I, D: Dataset<I>>(&self, dataset: D) -> DistributedDataset<D, I> {
+        let log = Arc::new(AccessLog::default());
+        let mut datasets = self.datasets.0.lock().unwrap_or_else(|p| p.into_inner());
+        datasets.retain(|d| d.strong_count() > 0);
+        datasets.push(Arc::downgrade(&log));
         DistributedDataset {
             sampler: self.clone(),
             inner: dataset,
             cache: Mutex::new(None),
+            log,
             _item: PhantomData,
         }
     }
@@ -188,6 +290,7 @@ pub struct DistributedDataset<D, I> {
     inner: D,
     /// Indices of the last (epoch, skip) asked for.
     cache: Mutex<Option<(EpochCursor, Arc<Vec<usize>>)>>,
+    log: Arc<AccessLog>,
     _item: PhantomData<fn() -> I>,
 }
 
@@ -208,6 +311,7 @@ impl<D: Dataset<I>, I> DistributedDataset<D, I> {
 
 impl<D: Dataset<I>, I> Dataset<I> for DistributedDataset<D, I> {
     fn get(&self, index: usize) -> Result<I, DatasetError> {
+        self.log.record(index);
         let indices = self.indices();
         match indices.get(index) {
             Some(i) => self.inner.get(*i),

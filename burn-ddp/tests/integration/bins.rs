@@ -25,25 +25,18 @@ pub fn example_bin(package: &str, bin: &str) -> PathBuf {
     if let Some(path) = built.get(bin) {
         return path.clone();
     }
-    // This binary is target/<profile>/deps/integration-<hash>.
-    let exe = std::env::current_exe().expect("the test binary's path");
-    let profile_dir = exe
-        .parent()
-        .and_then(|deps| deps.parent())
-        .expect("the test binary lies in target/<profile>/deps");
-    let target_dir = profile_dir.parent().expect("target/<profile>");
-    let profile = match profile_dir.file_name().and_then(|n| n.to_str()) {
-        Some("debug") | None => "dev",
-        Some(other) => other,
-    };
+    let Build {
+        profile_dir,
+        target_dir,
+        profile,
+    } = Build::of_this_test();
     let features: Vec<&str> = FEATURES
         .iter()
         .filter(|(_, on)| *on)
         .map(|(f, _)| *f)
         .collect();
-    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
     let started = Instant::now();
-    let out = Command::new(cargo)
+    let out = Build::cargo()
         .args([
             "build",
             "--quiet",
@@ -51,10 +44,10 @@ pub fn example_bin(package: &str, bin: &str) -> PathBuf {
             "--all-targets",
             "--profile",
         ])
-        .arg(profile)
+        .arg(&profile)
         .args(features.iter().flat_map(|f| ["--features", f]))
         .arg("--target-dir")
-        .arg(target_dir)
+        .arg(&target_dir)
         .current_dir(env!("CARGO_MANIFEST_DIR"))
         .stdin(Stdio::null())
         .output()
@@ -69,6 +62,45 @@ pub fn example_bin(package: &str, bin: &str) -> PathBuf {
     assert!(path.is_file(), "cargo built no {}", path.display());
     built.insert(bin.to_string(), path.clone());
     path
+}
+
+/// Where and how this test binary was built.
+pub struct Build {
+    /// `target/<profile dir>`, where binaries land.
+    pub profile_dir: PathBuf,
+    /// The target directory.
+    pub target_dir: PathBuf,
+    /// The cargo profile (`dev` for `target/debug`).
+    pub profile: String,
+}
+
+impl Build {
+    /// This test binary's, which is `target/<profile>/deps/integration-<hash>`.
+    pub fn of_this_test() -> Self {
+        let exe = std::env::current_exe().expect("the test binary's path");
+        let profile_dir = exe
+            .parent()
+            .and_then(|deps| deps.parent())
+            .expect("the test binary lies in target/<profile>/deps");
+        let target_dir = profile_dir
+            .parent()
+            .expect("target/<profile>")
+            .to_path_buf();
+        let profile = match profile_dir.file_name().and_then(|n| n.to_str()) {
+            Some("debug") | None => "dev",
+            Some(other) => other,
+        };
+        Build {
+            profile_dir: profile_dir.to_path_buf(),
+            target_dir,
+            profile: profile.to_string(),
+        }
+    }
+
+    /// The cargo that runs these tests.
+    pub fn cargo() -> Command {
+        Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()))
+    }
 }
 
 /// burn-ddp's optional features that change what the workspace builds, as `cargo --features`

@@ -21,6 +21,7 @@ mod syncbn;
 mod tensors;
 mod torchrun;
 mod train;
+mod user_crate;
 // Training on burn's wgpu backend: builds the wgpu stack, so only with the `wgpu` feature.
 #[cfg(feature = "wgpu")]
 mod wgpu;

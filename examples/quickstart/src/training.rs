@@ -191,6 +191,7 @@ pub fn run(group: Arc<ProcessGroup>, cfg: &Config) -> Result<Report> {
         let mut learner =
             DdpLearner::with_group(group.clone(), model, SgdConfig::new().init(), cfg.lr)
                 .sampler(&sampler)
+                .valid_sampler(&valid_sampler)
                 .setting("batch_size", cfg.batch_size)
                 .setting("lr", cfg.lr)
                 .setting("seed", cfg.seed)

@@ -4,10 +4,7 @@
 //! metrics (gathered from all ranks), writes checkpoints and decides early stopping.
 
 use std::sync::{Arc, Mutex};
-use std::time::Instant;
 
-use burn::data::dataloader::Progress;
-use burn::optim::GradientsAccumulator;
 use burn::tensor::Device;
 use burn::train::metric::store::EventStoreClient;
 use burn::train::{
@@ -16,18 +13,18 @@ use burn::train::{
     SupervisedTrainingEventProcessor, TrainLoader, TrainStep, TrainingComponents, ValidLoader,
 };
 
+mod epoch;
 mod split;
 mod state;
 
-use split::{Batch, SplitEnd, SplitItems};
-
-use super::buffers::{Buffers, PendingBuffers};
+use super::buffers::Buffers;
 use super::checkpoint::{CheckpointConfig, Position};
 use super::gather::GlobalItem;
 use super::reducer::GradientReducer;
 use super::sampler::DistributedSampler;
+use super::shard::Split;
 use super::stop::Stop;
-use super::telemetry::trace::{COMPUTE, Span, Trace};
+use super::telemetry::trace::Trace;
 use crate::ProcessGroup;
 use crate::error::{DdpError, Result};
 use crate::signals::StopSignals;
@@ -39,12 +36,17 @@ pub(crate) struct DdpStrategy {
     pub group: Arc<ProcessGroup>,
     pub device: Device,
     pub reducer: GradientReducer,
+    /// The training split's samplers.
     pub samplers: Vec<DistributedSampler>,
+    /// The validation split's samplers.
+    pub valid_samplers: Vec<DistributedSampler>,
+    /// Whether splits without a sampler are sharded by slicing (see `shard.rs`).
+    pub shard_loaders: bool,
     pub checkpoints: Option<CheckpointConfig>,
     pub failure: Arc<Mutex<Option<DdpError>>>,
     pub signals: StopSignals,
     pub buffers: Buffers,
-    /// Whether ranks may hold different numbers of training batches (join).
+    /// Whether ranks may hold different numbers of training batches (join), as configured.
     pub uneven: bool,
     /// This rank's Chrome trace, if profiling.
     pub trace: Option<Arc<Trace>>,
@@ -79,164 +81,6 @@ impl DdpStrategy {
         slot.get_or_insert(error);
     }
 
-    #[allow(clippy::too_many_arguments)]
-    fn train_epoch<M>(
-        &self,
-        learner: &mut Learner<M>,
-        loader: &TrainLoader<M>,
-        from: Position,
-        items: &SplitItems,
-        accumulation: Option<usize>,
-        processor: &mut SupervisedTrainingEventProcessor<M>,
-        events: &EventStoreClient,
-        interrupter: &Interrupter,
-    ) -> Result<SplitEnd>
-    where
-        M: LearnerModel,
-        <M as TrainStep>::Output: GlobalItem,
-    {
-        let mut accumulator = GradientsAccumulator::new();
-        let mut micro = 0;
-        let every = self.checkpoints.as_ref().and_then(|c| c.every_steps);
-        let uneven = self.uneven;
-        // Rank 0's buffers of the last optimizer step, on their way: applied before the next
-        // forward pass (PyTorch's timing), so their broadcast travels during the optimizer
-        // step and the loading of the next batch.
-        let mut buffers: Option<PendingBuffers> = None;
-        // Forward and backward time since the last optimizer step (accumulated micro-steps).
-        let mut compute = 0.0;
-        let trace = self.trace.as_deref();
-        let mut step = |batch: Batch<_>, progress: &Progress, iteration: usize| {
-            if let Some(pending) = buffers.take() {
-                pending.finish(learner.model())?;
-            }
-            let end = matches!(batch, Batch::End);
-            let (item, grads) = match batch {
-                Batch::Item(item) => {
-                    let started = Instant::now();
-                    let out = learner.train_step(item);
-                    let done = Instant::now();
-                    compute += (done - started).as_secs_f64();
-                    if let Some(trace) = trace {
-                        trace.span(Span::named("forward+backward"), COMPUTE, started, done);
-                    }
-                    (Some(out.item), Some(out.grads))
-                }
-                // A rank without a batch reduces zeros, and steps with the others.
-                Batch::Idle | Batch::End => (None, None),
-            };
-            let grads = match accumulation {
-                Some(k) => {
-                    if let Some(grads) = grads {
-                        accumulator.accumulate(&learner.model(), grads);
-                    }
-                    micro += usize::from(!end);
-                    // Every rank counts the same steps, so all agree on when to synchronise:
-                    // with even inputs each one's last batch is the split's; with uneven
-                    // inputs the End step flushes what is left.
-                    let last = if uneven {
-                        end && micro > 0
-                    } else {
-                        progress.is_completed()
-                    };
-                    (micro >= k || last).then(|| {
-                        micro = 0;
-                        accumulator.grads()
-                    })
-                }
-                None if end => None,
-                None => Some(grads.unwrap_or_default()),
-            };
-            let boundary = grads.is_some();
-            let mut step_stats = None;
-            if let Some(grads) = grads {
-                let model = learner.model();
-                let (grads, mut stats) =
-                    self.reducer
-                        .reduce_traced(&model, grads, (from.epoch, iteration), trace)?;
-                stats.compute = std::mem::take(&mut compute);
-                step_stats = Some(stats);
-                buffers = self.buffers.start_step(&model);
-                let stepping = Instant::now();
-                learner.lr_step();
-                learner.optimizer_step(grads);
-                if let Some(trace) = trace {
-                    trace.span(
-                        Span::named("optimizer step"),
-                        COMPUTE,
-                        stepping,
-                        Instant::now(),
-                    );
-                }
-                // Optimizer steps of the epoch so far; the epoch's end has its own checkpoint.
-                let steps = iteration / accumulation.unwrap_or(1);
-                if every.is_some_and(|n| steps.is_multiple_of(n)) && !progress.is_completed() {
-                    let at = Position {
-                        epoch: from.epoch,
-                        batches: iteration,
-                        samples: from.samples + progress.items_processed,
-                        world_size: self.group.world_size(),
-                    };
-                    if let Some(pending) = buffers.take() {
-                        pending.finish(learner.model())?;
-                    }
-                    self.checkpoint(learner, at, events)?;
-                    self.group.status().step(iteration);
-                }
-            }
-            Ok((item, Some(learner.lr_current()), boundary, step_stats))
-        };
-        let process = |event| processor.process_train(event);
-        let end = self.run_split(
-            loader,
-            &self.device,
-            from.batches,
-            (uneven, items.total()),
-            &mut step,
-            process,
-            interrupter,
-        )?;
-        if let Some(pending) = buffers {
-            pending.finish(learner.model())?;
-        }
-        Ok(end)
-    }
-
-    /// Validation: every rank evaluates its shard (of any size: when the ranks hold different
-    /// numbers of items, those that run out first take part in the others' steps), and rank
-    /// 0's metrics count each sample once.
-    fn valid_epoch<M>(
-        &self,
-        learner: &Learner<M>,
-        loader: &ValidLoader<M>,
-        items: &SplitItems,
-        processor: &mut SupervisedTrainingEventProcessor<M>,
-        interrupter: &Interrupter,
-    ) -> Result<SplitEnd>
-    where
-        M: LearnerModel,
-        <M as InferenceStep>::Output: GlobalItem,
-    {
-        let model = learner.model().valid();
-        let step = |batch, _: &Progress, _| {
-            let output = match batch {
-                Batch::Item(item) => Some(InferenceStep::step(&model, item)),
-                Batch::Idle | Batch::End => None,
-            };
-            Ok((output, None, true, None))
-        };
-        let process = |event| processor.process_valid(event);
-        self.run_split(
-            loader,
-            &self.device.clone().inner(),
-            0,
-            (items.uneven(), items.total()),
-            step,
-            process,
-            interrupter,
-        )
-    }
-
     fn run<M>(
         &self,
         loop_: &mut EpochLoop<M>,
@@ -255,6 +99,13 @@ impl DdpStrategy {
         let world = self.group.world_size();
         let train = train.to_device(&self.device);
         let valid = valid.to_device(&self.device.clone().inner());
+        // Before the first step: shard the splits without a sampler, agree on the counts.
+        let plan = self.plan_loaders(
+            (train, Split::new("training", &self.samplers, self.uneven)),
+            // Validation ranks may hold different numbers of batches: metrics count every
+            // item once.
+            (valid, Split::new("validation", &self.valid_samplers, true)),
+        )?;
         learner.fork(&self.device);
         let status = self.group.status();
         for epoch in start.epoch..=loop_.num_epochs {
@@ -269,16 +120,13 @@ impl DdpStrategy {
             for s in &self.samplers {
                 s.resume(epoch, from.samples);
             }
-            status.enter(Phase::Training, Some(epoch));
-            let train_items = self.split_items(&train)?;
-            if train_items.uneven() && !self.uneven && self.is_main() && epoch == start.epoch {
-                log::warn!(
-                    "the ranks hold different numbers of training items ({}): if their numbers \
-                     of batches differ, training stops with a desync error; use a \
-                     DistributedSampler, or DdpLearner::uneven_inputs(true)",
-                    train_items.describe()
-                );
+            for s in &self.valid_samplers {
+                s.set_epoch(epoch);
             }
+            status.enter(Phase::Training, Some(epoch));
+            let train = plan.train.resumed(from.samples);
+            let valid = &plan.valid.loader;
+            let train_items = self.split_items(&train)?;
             if self.is_main() {
                 interrupter.fail_on_error(processor.process_train(LearnerEvent::StartSplit {
                     epoch_number: epoch,
@@ -289,7 +137,7 @@ impl DdpStrategy {
                 learner,
                 &train,
                 from,
-                &train_items,
+                (&train_items, plan.train_uneven),
                 loop_.grad_accumulation,
                 processor,
                 &loop_.event_store,
@@ -328,7 +176,7 @@ impl DdpStrategy {
                 .check_replicas(&model, &format!("in training epoch {epoch}"))?;
             self.write_trace();
             status.enter(Phase::Validation, Some(epoch));
-            let valid_items = self.split_items(&valid)?;
+            let valid_items = self.split_items(valid)?;
             if self.is_main() {
                 interrupter.fail_on_error(processor.process_valid(LearnerEvent::StartSplit {
                     epoch_number: epoch,
@@ -336,7 +184,7 @@ impl DdpStrategy {
                 }));
             }
             let valid_end =
-                self.valid_epoch(learner, &valid, &valid_items, processor, &interrupter)?;
+                self.valid_epoch(learner, valid, &valid_items, processor, &interrupter)?;
             status.enter(Phase::Checkpointing, Some(epoch));
             let mut stop = false;
             if self.is_main() {

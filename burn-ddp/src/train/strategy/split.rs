@@ -69,14 +69,6 @@ impl SplitItems {
     pub(super) fn uneven(&self) -> bool {
         self.0.iter().any(|n| *n != self.0[0])
     }
-
-    /// The ranks' counts, for messages: `rank 0: 12, rank 1: 11`.
-    pub(super) fn describe(&self) -> String {
-        let counts: Vec<String> = (self.0.iter().enumerate())
-            .map(|(r, n)| format!("rank {r}: {n}"))
-            .collect();
-        counts.join(", ")
-    }
 }
 
 /// Scales a rank's progress to the whole job (all ranks process as many items).

@@ -13,4 +13,4 @@ mod admission;
 mod hostile;
 mod relay;
 mod startup;
-mod watch;
+pub(crate) mod watch;

@@ -1,13 +1,14 @@
 //! What this test process does while hostile peers talk to it: the warnings it logs (a logger
-//! that keeps them, installed by the security tests; no other test installs one) and whether
-//! it ever allocates a given size (the test binary's allocator watches for one size).
+//! that keeps them and info lines, installed by the security and sharding tests; no other test
+//! installs one) and whether it ever allocates a given size (the test binary's allocator
+//! watches for one size).
 
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Mutex, Once};
 use std::time::{Duration, Instant};
 
-/// Lines logged at warning level or above, oldest first (at most `KEPT`).
+/// Lines logged at info level or above, oldest first (at most `KEPT`).
 static LINES: Mutex<Vec<String>> = Mutex::new(Vec::new());
 const KEPT: usize = 10_000;
 
@@ -15,7 +16,7 @@ struct Keep;
 
 impl log::Log for Keep {
     fn enabled(&self, m: &log::Metadata<'_>) -> bool {
-        m.level() <= log::Level::Warn
+        m.level() <= log::Level::Info
     }
     fn log(&self, r: &log::Record<'_>) {
         if self.enabled(r.metadata()) {
@@ -29,19 +30,27 @@ impl log::Log for Keep {
     fn flush(&self) {}
 }
 
-/// Keeps this process's warnings from now on.
+/// Keeps this process's warnings and info lines from now on.
 pub fn keep_warnings() {
     static ONCE: Once = Once::new();
     static KEEP: Keep = Keep;
     ONCE.call_once(|| {
         if log::set_logger(&KEEP).is_ok() {
-            log::set_max_level(log::LevelFilter::Warn);
+            log::set_max_level(log::LevelFilter::Info);
         }
     });
 }
 
 /// The first warning containing every one of `needles`, waiting up to `timeout` for it.
 pub fn warning(needles: &[&str], timeout: Duration) -> Option<String> {
+    let mut needles = needles.to_vec();
+    needles.push("WARN ");
+    logged(&needles, timeout)
+}
+
+/// The first line logged (info or above) containing every one of `needles`, waiting up to
+/// `timeout` for it.
+pub fn logged(needles: &[&str], timeout: Duration) -> Option<String> {
     let until = Instant::now() + timeout;
     loop {
         let found = LINES

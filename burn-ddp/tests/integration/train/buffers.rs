@@ -58,6 +58,7 @@ fn train(world: usize, mode: BufferSync) -> Vec<Outcome> {
         .num_epochs(2);
         let learner = DdpLearner::with_group(group, model, SgdConfig::new().init(), 0.2)
             .sampler(&sampler)
+            .valid_sampler(&valid)
             .buckets(small_buckets())
             .buffer_sync(mode)
             .progress(ProgressOutput::Keep);

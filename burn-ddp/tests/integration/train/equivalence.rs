@@ -73,6 +73,7 @@ fn train(run: &Run) -> Vec<Outcome> {
         }
         let learner = DdpLearner::with_group(group.clone(), model, SgdConfig::new().init(), 0.5)
             .sampler(&sampler)
+            .valid_sampler(&valid_sampler)
             .buckets(run.buckets)
             .compression(run.compression)
             .setting("batch", run.batch)

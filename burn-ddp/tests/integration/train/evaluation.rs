@@ -84,6 +84,7 @@ fn validate(world: usize, batch: usize, valid_items: usize) -> (String, String) 
         .num_epochs(1);
         let learner = DdpLearner::with_group(group, model.clone(), SgdConfig::new().init(), 0.0)
             .sampler(&sampler)
+            .valid_sampler(&valid)
             .progress(ProgressOutput::Keep);
         let result = training.launch_ddp(learner).expect("training");
         assert!(result.error.is_none(), "{:?}", result.error);

@@ -125,6 +125,7 @@ pub(crate) fn train_rank(
     let mut learner =
         DdpLearner::with_group(group.clone(), model, AdamConfig::new().init(), schedule)
             .sampler(&sampler)
+            .valid_sampler(&valid_sampler)
             .progress(ProgressOutput::Keep);
     if let Some(c) = &job.checkpoints {
         learner = learner.checkpoints(c.clone());

@@ -11,6 +11,7 @@
 //! - `evaluation`: validation metrics that do not depend on the world size;
 //! - `join`: ranks with different numbers of batches training together;
 //! - `compression`: gradients reduced in bf16 and fp16;
+//! - `sharding`: loaders without a sampler sharded by the learner; misuse caught at start;
 //! - `telemetry`: per-step figures as metrics, the straggler, Chrome traces.
 
 mod buffers;
@@ -23,6 +24,7 @@ mod job;
 mod join;
 pub(crate) mod lockstep;
 mod model;
+mod sharding;
 mod telemetry;
 
 pub(crate) use job::{Job, train_rank, uninterrupted_digest};
@@ -30,7 +32,7 @@ pub(crate) use model::{EXIT_CODE, flex, new_net};
 
 use burn::data::dataloader::DataLoaderBuilder;
 use burn::train::SupervisedTraining;
-use burn_ddp::train::{BucketConfig, DdpLearner, DdpTraining, DistributedSampler, QuietRenderer};
+use burn_ddp::train::{BucketConfig, DdpLearner, DdpTraining, QuietRenderer};
 
 use crate::common::digest;
 use model::{Net, Points, ToBatch};
@@ -79,11 +81,11 @@ fn assert_identical(params: &[&[f32]]) {
 /// Trains `learner` for one epoch of 8 samples in batches of `batch`, expecting an error; returns
 /// it in words.
 fn launch_to_error(learner: DdpLearner<Net>, batch: usize) -> String {
-    let sampler = DistributedSampler::for_group(learner.group());
+    // Without a sampler: the learner shards the loaders.
     let loader = || {
         DataLoaderBuilder::new(ToBatch)
             .batch_size(batch)
-            .build(sampler.dataset(Points(8)))
+            .build(Points(8))
     };
     SupervisedTraining::new(std::env::temp_dir(), loader(), loader())
         .renderer(Box::new(QuietRenderer))

@@ -172,6 +172,7 @@ impl TrainStep for Net {
     type Input = Batch;
     type Output = ClassificationOutput;
     fn step(&self, b: Batch) -> TrainOutput<ClassificationOutput> {
+        note_rows(&b, |seen| &mut seen.train);
         STEP_DIGESTS.with_borrow_mut(|d| {
             if let Some(d) = d {
                 d.push(digest(bytemuck::cast_slice(&flat_parameters(self))));
@@ -186,6 +187,7 @@ impl InferenceStep for Net {
     type Input = Batch;
     type Output = ClassificationOutput;
     fn step(&self, b: Batch) -> ClassificationOutput {
+        note_rows(&b, |seen| &mut seen.valid);
         self.forward(b)
     }
 }
@@ -203,6 +205,43 @@ thread_local! {
 }
 
 /// Starts (`true`) or ends recording this thread's step digests; returns those recorded.
+/// The samples a thread's steps saw, by the digest of their features (see [`sample_ids`]).
+#[derive(Debug, Default)]
+pub(crate) struct SeenRows {
+    pub train: Vec<u64>,
+    pub valid: Vec<u64>,
+}
+
+thread_local! {
+    /// When set, each step of a `Net` on this thread notes the samples of its batch.
+    static SEEN_ROWS: std::cell::RefCell<Option<SeenRows>> = const { std::cell::RefCell::new(None) };
+}
+
+fn note_rows(b: &Batch, split: impl Fn(&mut SeenRows) -> &mut Vec<u64>) {
+    SEEN_ROWS.with_borrow_mut(|seen| {
+        if let Some(seen) = seen {
+            let x = b.x.to_data().try_to_vec::<f32>().expect("f32 features");
+            (split(seen)).extend(x.chunks(FEATURES).map(|r| digest(bytemuck::cast_slice(r))));
+        }
+    });
+}
+
+/// Starts (`true`) or stops noting the samples this thread's steps see; returns those noted.
+pub(crate) fn record_rows(on: bool) -> SeenRows {
+    SEEN_ROWS
+        .with_borrow_mut(|d| std::mem::replace(d, on.then(SeenRows::default)).unwrap_or_default())
+}
+
+/// Each sample of `data`, by the digest [`record_rows`] notes for it.
+pub(crate) fn sample_ids(data: &Points) -> std::collections::HashMap<u64, usize> {
+    (0..data.len())
+        .map(|i| {
+            let (x, _) = data.get(i).expect("a sample");
+            (digest(bytemuck::cast_slice(&x)), i)
+        })
+        .collect()
+}
+
 pub(crate) fn record_steps(on: bool) -> Vec<u64> {
     STEP_DIGESTS.with_borrow_mut(|d| std::mem::replace(d, on.then(Vec::new)).unwrap_or_default())
 }

@@ -56,6 +56,7 @@ fn the_straggler_is_measured_and_every_rank_writes_its_trace() {
             .num_epochs(1);
         let learner = DdpLearner::with_group(group, model.clone(), SgdConfig::new().init(), 0.1)
             .sampler(&sampler)
+            .valid_sampler(&sampler)
             .buckets(small_buckets())
             .profile(&dir)
             .progress(ProgressOutput::Keep);
