@@ -6,7 +6,13 @@
 //! Run it under a launcher (`burn-ddp-run --nproc 2 target/release/examples/bench_collectives`)
 //! or through `cargo xtask bench-collectives --world 2`; it forms its group from the
 //! launcher's environment. Flags (`--help`): `--sizes 4K,64M`, `--chunk 512K`, `--spin-us 20`,
-//! `--op sum|avg|max`, `--transport tcp|shm|auto`, `--shm-slot 1M`, `--report FILE`.
+//! `--op sum|avg|max`, `--transport tcp|shm|auto`, `--shm-slot 1M`, `--dtype f32|bf16`,
+//! `--report FILE`.
+//!
+//! With `--dtype bf16` a size `S` stands for `S` bytes of f32 gradients sent compressed, as
+//! DdpLearner's `Compression::Bf16` sends them: an all-reduce of `S / 2` bytes of bf16. Its
+//! sizes, algbw and busbw are those `S` bytes of f32 over the time, so the rows compare with the
+//! f32 ones directly (the conversions to and from bf16 are not timed).
 
 use std::time::{Duration, Instant};
 
@@ -81,14 +87,52 @@ struct Args {
     /// Bytes of each rank's slot in the shared-memory segment
     #[arg(long, value_name = "BYTES", value_parser = parse_size, default_value = "1M")]
     shm_slot: usize,
+    /// Element type: f32, or bf16 standing for f32 gradients sent compressed (a size S is an
+    /// all-reduce of S/2 bytes of bf16; figures are of the S bytes of f32)
+    #[arg(long, value_enum, default_value_t = Dtype::F32)]
+    dtype: Dtype,
     /// Rank 0 also writes its figures to this file, one line per size:
-    /// `bytes median_us busbw_gbps` (for `cargo xtask bench-collectives --gloo`)
+    /// `bytes median_us busbw_gbps` (for `cargo xtask bench-collectives --gloo`); with
+    /// `--dtype bf16`, bytes are the f32 bytes the bf16 stand for
     #[arg(long, value_name = "FILE")]
     report: Option<std::path::PathBuf>,
 }
 
 fn parse_transport(s: &str) -> Result<Transport, String> {
     s.parse()
+}
+
+/// The element types the benchmark reduces.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+enum Dtype {
+    /// 32-bit floats.
+    F32,
+    /// bfloat16, standing for f32 gradients sent compressed.
+    Bf16,
+}
+
+/// Times `iters` all-reduces of `elems` elements of `T` after a warm-up; this rank's median.
+fn time_all_reduce<T>(
+    group: &burn_ddp::ProcessGroup,
+    elems: usize,
+    iters: usize,
+    op: ReduceOp,
+) -> anyhow::Result<Duration>
+where
+    T: burn_ddp::Reduce + Default + Clone,
+    Vec<T>: burn_ddp::Reducible,
+{
+    let mut buf = vec![T::default(); elems];
+    for _ in 0..(iters / 4).max(2) {
+        buf = group.all_reduce(buf, op).wait()?;
+    }
+    let mut times = Vec::with_capacity(iters);
+    for _ in 0..iters {
+        let t = Instant::now();
+        buf = group.all_reduce(buf, op).wait()?;
+        times.push(t.elapsed());
+    }
+    Ok(median(times))
 }
 
 /// The reductions the benchmark offers.
@@ -130,8 +174,12 @@ fn main() -> anyhow::Result<()> {
     group.barrier().wait()?;
     if rank == 0 {
         println!(
-            "burn-ddp all-reduce ({}), world {n}, f32 {:?}, chunk {}, spin {:?}",
+            "burn-ddp all-reduce ({}), world {n}, {} {:?}, chunk {}, spin {:?}",
             group.transport(),
+            match args.dtype {
+                Dtype::F32 => "f32",
+                Dtype::Bf16 => "bf16 (sizes, algbw, busbw: of the f32 bytes they stand for)",
+            },
             op,
             human(args.chunk),
             spin
@@ -147,18 +195,12 @@ fn main() -> anyhow::Result<()> {
         let elems = (size / 4).max(1);
         // The same count on every rank, so that all ranks run the same collectives.
         let iters = ((2usize << 30) / size.max(1)).clamp(5, 200);
-        let mut buf = vec![0.0f32; elems];
-        for _ in 0..(iters / 4).max(2) {
-            buf = group.all_reduce(buf, op).wait()?;
-        }
-        let mut times = Vec::with_capacity(iters);
-        for _ in 0..iters {
-            let t = Instant::now();
-            buf = group.all_reduce(buf, op).wait()?;
-            times.push(t.elapsed());
-        }
+        let mine = match args.dtype {
+            Dtype::F32 => time_all_reduce::<f32>(&group, elems, iters, op)?,
+            Dtype::Bf16 => time_all_reduce::<half::bf16>(&group, elems, iters, op)?,
+        };
         // The slowest rank's median is the operation's time.
-        let mine = median(times).as_secs_f64();
+        let mine = mine.as_secs_f64();
         let t = group.all_reduce(vec![mine], ReduceOp::Max).wait()?[0];
         if rank == 0 {
             let bytes = (elems * 4) as f64;

@@ -32,6 +32,11 @@ pub struct BenchCollectives {
     /// Transport of the collectives [default: auto, shared memory on one host]
     #[arg(long, value_parser = ["tcp", "shm", "auto"])]
     transport: Option<String>,
+    /// Element type: f32, or bf16 standing for f32 gradients sent compressed (a size S is an
+    /// all-reduce of S/2 bytes of bf16, its algbw that of S bytes) [default: f32; with
+    /// --hosts: both]
+    #[arg(long, value_parser = ["f32", "bf16"])]
+    pub(crate) dtype: Option<String>,
     /// Also time PyTorch gloo's all-reduce in the same run, with this Python (one with torch
     /// installed), and print the ratios
     #[arg(long, value_name = "PYTHON")]
@@ -52,7 +57,8 @@ pub struct BenchCollectives {
 }
 
 impl BenchCollectives {
-    /// The flags of the rank program that this task forwards (not the transport).
+    /// The flags of the rank program that this task forwards (not the transport nor the
+    /// element type).
     pub fn forwarded(&self) -> Vec<String> {
         let mut out = Vec::new();
         let spin = self.spin_us.map(|us| us.to_string());
@@ -81,8 +87,10 @@ pub fn bench_collectives(task: BenchCollectives) -> Result<()> {
     let ours = scratch.join("burn-ddp.txt");
     let mut forwarded = vec!["--report".to_string(), ours.display().to_string()];
     forwarded.extend(task.forwarded());
-    if let Some(t) = &task.transport {
-        forwarded.extend(["--transport".to_string(), t.clone()]);
+    for (name, value) in [("--transport", &task.transport), ("--dtype", &task.dtype)] {
+        if let Some(v) = value {
+            forwarded.extend([name.to_string(), v.clone()]);
+        }
     }
     launch(&LaunchConfig::new(exe, task.world).args(forwarded)).context("benchmark failed")?;
     if let Some(python) = &task.gloo {
@@ -186,7 +194,9 @@ pub fn human(bytes: u64) -> String {
 }
 
 /// Quickstart step time of DdpLearner at world size 1 against burn's Learner, and samples/s at
-/// world size 2 against 1.
+/// world size 2 against 1; with `--hosts`, step time and scaling across hosts of network
+/// namespaces on a slow link, against the same world on one host, with and without bf16
+/// gradients.
 #[derive(Debug, Args)]
 pub struct BenchTrain {
     /// Epochs per run
@@ -201,9 +211,21 @@ pub struct BenchTrain {
     /// Training samples per epoch [default: the quickstart's]
     #[arg(long, value_name = "N")]
     samples: Option<usize>,
-    /// The quickstart's network (`mlp`, or `mlp-large`: 784-1024-1024-10)
-    #[arg(long, value_name = "KIND", default_value = "mlp")]
-    model: String,
+    /// The quickstart's network (`mlp`, or `mlp-large`: 784-1024-1024-10) [default: mlp;
+    /// with --hosts: mlp-large]
+    #[arg(long, value_name = "KIND")]
+    model: Option<String>,
+    /// Train across this many hosts made of network namespaces (root; see `cargo xtask
+    /// cluster`): world 1, the same world on one host, and across the hosts, each with and
+    /// without bf16 gradients
+    #[arg(long, value_name = "N")]
+    hosts: Option<usize>,
+    /// With --hosts: ranks per host
+    #[arg(long, value_name = "N", default_value_t = 1, requires = "hosts")]
+    nproc_per_host: usize,
+    /// With --hosts: rate of each host's link in tc syntax (`1gbit`) [default: unlimited]
+    #[arg(long, value_name = "RATE", requires = "hosts")]
+    link_rate: Option<String>,
     /// Build in the dev profile (quick to build, not for figures)
     #[arg(long)]
     debug: bool,
@@ -232,15 +254,70 @@ fn median(mut xs: Vec<f64>) -> f64 {
     xs[xs.len() / 2]
 }
 
+/// One kind of quickstart run in `bench-train`.
+struct TrainRun {
+    label: String,
+    /// Ranks (per host when `across_hosts`).
+    nproc: usize,
+    /// burn's own Learner instead of DdpLearner.
+    plain: bool,
+    /// Extra quickstart flags.
+    extra: &'static [&'static str],
+    /// `BURN_DDP_TRANSPORT`.
+    transport: &'static str,
+    /// On every host of the cluster instead of on this host.
+    across_hosts: bool,
+}
+
+impl TrainRun {
+    fn here(label: impl Into<String>, nproc: usize, extra: &'static [&'static str]) -> Self {
+        TrainRun {
+            label: label.into(),
+            nproc,
+            plain: false,
+            extra,
+            transport: "tcp",
+            across_hosts: false,
+        }
+    }
+    fn transport(mut self, transport: &'static str) -> Self {
+        self.transport = transport;
+        self
+    }
+}
+
+const BF16: &[&str] = &["--compression", "bf16"];
+const FP16: &[&str] = &["--compression", "fp16"];
+
 /// Runs `bench-train`.
 pub fn bench_train(task: BenchTrain) -> Result<()> {
     let (epochs, batch) = (task.epochs, task.batch_size);
     let repeats = task.repeats.max(1);
+    let default_model = if task.hosts.is_some() {
+        "mlp-large"
+    } else {
+        "mlp"
+    };
+    let model = task.model.clone().unwrap_or(default_model.into());
     let exe = build_cpu_program("quickstart", !task.debug)?;
+    // With --hosts: the cluster and its launcher, made once for every run.
+    let cluster = match task.hosts {
+        Some(hosts) => {
+            let launcher = build_cpu_program("burn-ddp-run", !task.debug)?;
+            let mut config = burn_ddp::launch::cluster::ClusterConfig::new(hosts);
+            config.link_rate = task.link_rate.clone();
+            Some((
+                burn_ddp::launch::cluster::Cluster::create(&config)?,
+                launcher,
+            ))
+        }
+        None => None,
+    };
     let scratch = std::env::temp_dir().join(format!("burn-ddp-bench-train-{}", std::process::id()));
     std::fs::create_dir_all(&scratch)?;
-    let run = |nproc: usize, plain: bool, extra: &[&str], transport: &str| -> Result<Timing> {
+    let run = |r: &TrainRun| -> Result<Timing> {
         let report = scratch.join("report.txt");
+        let _ = std::fs::remove_file(&report);
         let mut args: Vec<String> = vec![
             "--quiet".into(),
             "--epochs".into(),
@@ -252,20 +329,32 @@ pub fn bench_train(task: BenchTrain) -> Result<()> {
             "--artifacts".into(),
             scratch.join("artifacts").display().to_string(),
             "--model".into(),
-            task.model.clone(),
+            model.clone(),
         ];
         if let Some(n) = task.samples {
             args.extend(["--samples".into(), n.to_string()]);
         }
-        if plain {
+        if r.plain {
             args.push("--plain".into());
         }
-        args.extend(extra.iter().map(|s| s.to_string()));
-        let cfg = LaunchConfig::new(exe.clone(), nproc)
-            .args(args)
-            .env("BURN_DDP_TRANSPORT", transport);
-        launch(&cfg).context("quickstart run")?;
-        let text = std::fs::read_to_string(&report)?;
+        args.extend(r.extra.iter().map(|s| s.to_string()));
+        match (&cluster, r.across_hosts) {
+            (Some((cluster, launcher)), true) => {
+                let mut program = vec![exe.clone().into_os_string()];
+                program.extend(args.into_iter().map(Into::into));
+                let env = vec![("BURN_DDP_TRANSPORT".into(), r.transport.into())];
+                let job = crate::cluster::job(launcher, r.nproc, program, env)?;
+                crate::cluster::run_job(cluster, &job).context("quickstart run across hosts")?;
+            }
+            _ => {
+                let cfg = LaunchConfig::new(exe.clone(), r.nproc)
+                    .args(args)
+                    .env("BURN_DDP_TRANSPORT", r.transport);
+                launch(&cfg).context("quickstart run")?;
+            }
+        }
+        let text = std::fs::read_to_string(&report)
+            .with_context(|| format!("reading the report of {:?}", r.label))?;
         let field = |name: &str| -> Result<f64> {
             text.split_whitespace()
                 .find_map(|kv| kv.strip_prefix(&format!("{name}=")))
@@ -280,54 +369,75 @@ pub fn bench_train(task: BenchTrain) -> Result<()> {
             bytes: field("bytes_per_step")?,
         })
     };
-    // (label, ranks, burn's own Learner, extra quickstart flags, transport)
-    let (bf16, fp16): (&[&str], &[&str]) = (&["--compression", "bf16"], &["--compression", "fp16"]);
-    let w2 = "DdpLearner, world 2 (tcp)";
-    let runs: [(String, usize, bool, &[&str], &str); 8] = [
-        ("burn Learner, 1 process".into(), 1, true, &[], "tcp"),
-        ("DdpLearner, world 1".into(), 1, false, &[], "tcp"),
-        (w2.into(), 2, false, &[], "tcp"),
-        (
-            format!("{w2}, no desync check"),
-            2,
-            false,
-            &["--no-desync-check"],
-            "tcp",
-        ),
-        (format!("{w2}, bf16 gradients"), 2, false, bf16, "tcp"),
-        (format!("{w2}, fp16 gradients"), 2, false, fp16, "tcp"),
-        (format!("{w2}, shared memory"), 2, false, &[], "shm"),
-        (format!("{w2}, shm, bf16"), 2, false, bf16, "shm"),
-    ];
+    let runs = match task.hosts {
+        Some(hosts) => across_hosts_runs(hosts, task.nproc_per_host, task.link_rate.as_deref()),
+        None => this_host_runs(),
+    };
     let mut timings: Vec<Vec<Timing>> = runs.iter().map(|_| Vec::new()).collect();
-    for r in 0..repeats {
-        eprintln!("bench-train: round {} of {repeats}", r + 1);
-        for ((_, nproc, plain, extra, transport), t) in runs.iter().zip(&mut timings) {
-            t.push(run(*nproc, *plain, extra, transport)?);
+    for round in 0..repeats {
+        eprintln!("bench-train: round {} of {repeats}", round + 1);
+        for (r, t) in runs.iter().zip(&mut timings) {
+            t.push(run(r)?);
         }
     }
+    // Removes the hosts before printing.
+    drop(cluster);
     let _ = std::fs::remove_dir_all(&scratch);
-    let step = |t: &[Timing]| median(t.iter().map(Timing::per_step_ms).collect());
-    let rate = |t: &[Timing]| median(t.iter().map(Timing::samples_per_sec).collect());
     println!(
-        "bench-train: quickstart --model {}, {epochs} epochs, batch {batch} per rank, median of \
-         {repeats}",
-        task.model
+        "bench-train: quickstart --model {model}, {epochs} epochs, batch {batch} per rank, median \
+         of {repeats}"
     );
     println!(
-        "{:<38} {:>10} {:>12} {:>12}",
+        "{:<50} {:>10} {:>12} {:>12}",
         "run", "ms/step", "samples/s", "bytes/step"
     );
-    for ((label, ..), t) in runs.iter().zip(&timings) {
+    for (r, t) in runs.iter().zip(&timings) {
         let bytes = t.first().map_or(0.0, |t| t.bytes);
         println!(
-            "{label:<38} {:>10.3} {:>12.0} {:>12.0}",
+            "{:<50} {:>10.3} {:>12.0} {:>12.0}",
+            r.label,
             step(t),
             rate(t),
             bytes
         );
     }
-    let [plain, ddp1, ddp2, unchecked, bf16, _fp16, shm, _shm_bf16] = &timings[..] else {
+    match task.hosts {
+        Some(hosts) => summarise_across_hosts(&timings, hosts * task.nproc_per_host),
+        None => summarise_this_host(&timings),
+    }
+    Ok(())
+}
+
+/// Median milliseconds per step.
+fn step(t: &[Timing]) -> f64 {
+    median(t.iter().map(Timing::per_step_ms).collect())
+}
+
+/// Median samples per second.
+fn rate(t: &[Timing]) -> f64 {
+    median(t.iter().map(Timing::samples_per_sec).collect())
+}
+
+/// The runs of `bench-train` on this host.
+fn this_host_runs() -> Vec<TrainRun> {
+    let w2 = "DdpLearner, world 2 (tcp)";
+    vec![
+        TrainRun {
+            plain: true,
+            ..TrainRun::here("burn Learner, 1 process", 1, &[])
+        },
+        TrainRun::here("DdpLearner, world 1", 1, &[]),
+        TrainRun::here(w2, 2, &[]),
+        TrainRun::here(format!("{w2}, no desync check"), 2, &["--no-desync-check"]),
+        TrainRun::here(format!("{w2}, bf16 gradients"), 2, BF16),
+        TrainRun::here(format!("{w2}, fp16 gradients"), 2, FP16),
+        TrainRun::here(format!("{w2}, shared memory"), 2, &[]).transport("shm"),
+        TrainRun::here(format!("{w2}, shm, bf16"), 2, BF16).transport("shm"),
+    ]
+}
+
+fn summarise_this_host(timings: &[Vec<Timing>]) {
+    let [plain, ddp1, ddp2, unchecked, bf16, _fp16, shm, _shm_bf16] = timings else {
         unreachable!("one timing list per run")
     };
     println!(
@@ -354,5 +464,63 @@ pub fn bench_train(task: BenchTrain) -> Result<()> {
         "shared memory at world 2: step time ratio {:.3} against TCP",
         step(shm) / step(ddp2)
     );
-    Ok(())
+}
+
+/// The runs of `bench-train --hosts`: world 1, then the world of `hosts` x `per_host` ranks on
+/// one host and across the hosts, each without and with bf16 gradients. Every DdpLearner run
+/// uses the default transport (`auto`: shared memory within a host, TCP between hosts).
+fn across_hosts_runs(hosts: usize, per_host: usize, link: Option<&str>) -> Vec<TrainRun> {
+    let world = hosts * per_host;
+    let here = format!("world {world}, 1 host");
+    let across = format!(
+        "world {world}, {hosts} hosts x {per_host}, link {}",
+        link.unwrap_or("unlimited")
+    );
+    let across_hosts = |label: String, extra| TrainRun {
+        across_hosts: true,
+        ..TrainRun::here(label, per_host, extra).transport("auto")
+    };
+    vec![
+        TrainRun::here("world 1", 1, &[]).transport("auto"),
+        TrainRun::here(here.clone(), world, &[]).transport("auto"),
+        TrainRun::here(format!("{here}, bf16 gradients"), world, BF16).transport("auto"),
+        across_hosts(across.clone(), &[]),
+        across_hosts(format!("{across}, bf16 gradients"), BF16),
+    ]
+}
+
+fn summarise_across_hosts(timings: &[Vec<Timing>], world: usize) {
+    let [one, here, here_bf16, across, across_bf16] = timings else {
+        unreachable!("one timing list per run")
+    };
+    let w = world as f64;
+    for (what, t) in [
+        ("1 host", here),
+        ("1 host, bf16", here_bf16),
+        ("across hosts", across),
+        ("across hosts, bf16", across_bf16),
+    ] {
+        println!(
+            "scaling world {world} / world 1, {what}: {:.2}x samples/s ({:.0}% efficiency)",
+            rate(t) / rate(one),
+            rate(t) / rate(one) / w * 100.0
+        );
+    }
+    let cost = step(across) - step(here);
+    println!(
+        "the slow link costs {cost:+.1} ms per step ({:.2}x the step time on 1 host)",
+        step(across) / step(here)
+    );
+    let saved = step(across) - step(across_bf16);
+    let recovered = if cost > 0.0 {
+        format!(", {:.0}% of what the link costs", saved / cost * 100.0)
+    } else {
+        String::new()
+    };
+    println!(
+        "bf16 gradients across hosts: {saved:+.1} ms per step saved (step time ratio {:.3}, \
+         bytes per step ratio {:.3}){recovered}",
+        step(across_bf16) / step(across),
+        across_bf16[0].bytes / across[0].bytes.max(1.0)
+    );
 }

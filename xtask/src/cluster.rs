@@ -48,14 +48,7 @@ pub fn cluster(task: ClusterTask) -> Result<()> {
     let mut config = ClusterConfig::new(task.hosts);
     config.link_rate = task.link_rate.clone();
     let cluster = Cluster::create(&config)?;
-    let job = ClusterJob {
-        launcher,
-        nproc_per_host: task.nproc_per_host,
-        program,
-        env: Vec::new(),
-        master_port: 29_500,
-        secret: JobSecret::generate()?.to_env_value(),
-    };
+    let job = job(&launcher, task.nproc_per_host, program, Vec::new())?;
     eprintln!(
         "cluster: {} hosts x {} ranks ({}), links {}",
         task.hosts,
@@ -120,8 +113,48 @@ pub fn cluster(task: ClusterTask) -> Result<()> {
     Ok(())
 }
 
+/// Runs `job` on every host of `cluster` (one launcher each) and waits for all of them; a host
+/// that fails is an error carrying its output.
+pub fn run_job(cluster: &Cluster, job: &ClusterJob) -> Result<()> {
+    let children: Vec<_> = (0..cluster.hosts())
+        .map(|i| cluster.spawn(job, i))
+        .collect::<std::io::Result<_>>()
+        .context("starting the launchers")?;
+    for (i, child) in children.into_iter().enumerate() {
+        let out = child.wait_with_output().context("waiting for a launcher")?;
+        if !out.status.success() {
+            bail!(
+                "host {i} failed ({}):\n{}{}",
+                out.status,
+                String::from_utf8_lossy(&out.stdout),
+                String::from_utf8_lossy(&out.stderr)
+            );
+        }
+    }
+    Ok(())
+}
+
+/// A job of `program` with `nproc_per_host` ranks per host, a fresh secret and the port the
+/// cluster tasks use.
+pub fn job(
+    launcher: &std::path::Path,
+    nproc_per_host: usize,
+    program: Vec<OsString>,
+    env: Vec<(String, String)>,
+) -> Result<ClusterJob> {
+    Ok(ClusterJob {
+        launcher: launcher.to_path_buf(),
+        nproc_per_host,
+        program,
+        env,
+        master_port: 29_500,
+        secret: JobSecret::generate()?.to_env_value(),
+    })
+}
+
 /// `bench-collectives --hosts N`: the all-reduce benchmark on a cluster of namespaces, over the
-/// flat TCP ring and the hierarchical all-reduce, with algbw as a fraction of the link rate.
+/// flat TCP ring and the hierarchical all-reduce, in f32 and in bf16 (standing for f32
+/// gradients sent compressed), with algbw as a fraction of the link rate.
 pub fn bench_across_hosts(task: &crate::bench::BenchCollectives) -> Result<()> {
     use crate::bench::{human, read_report};
     let (hosts, per_host, debug) = (task.hosts.unwrap_or(1), task.nproc_per_host, task.debug);
@@ -133,38 +166,23 @@ pub fn bench_across_hosts(task: &crate::bench::BenchCollectives) -> Result<()> {
     let cluster = Cluster::create(&config)?;
     let scratch = std::env::temp_dir().join(format!("burn-ddp-bench-hosts-{}", std::process::id()));
     std::fs::create_dir_all(&scratch)?;
+    let dtypes: Vec<&str> = match task.dtype.as_deref() {
+        Some(d) => vec![d],
+        None => vec!["f32", "bf16"],
+    };
+    let algorithms = [("flat ring (tcp)", "tcp"), ("hierarchical (auto)", "auto")];
     let mut tables = Vec::new();
-    for (label, transport) in [("flat ring (tcp)", "tcp"), ("hierarchical (auto)", "auto")] {
-        let report = scratch.join(format!("{transport}.txt"));
-        let mut program: Vec<OsString> = vec![exe.clone().into_os_string()];
-        program.extend(task.forwarded().into_iter().map(OsString::from));
-        program.extend(["--transport", transport, "--report"].map(OsString::from));
-        program.push(report.clone().into_os_string());
-        let job = ClusterJob {
-            launcher: launcher.clone(),
-            nproc_per_host: per_host,
-            program,
-            env: Vec::new(),
-            master_port: 29_500,
-            secret: JobSecret::generate()?.to_env_value(),
-        };
-        eprintln!("bench-collectives: {label} on {hosts} hosts x {per_host}");
-        let children: Vec<_> = (0..hosts)
-            .map(|i| cluster.spawn(&job, i))
-            .collect::<std::io::Result<_>>()
-            .context("starting the launchers")?;
-        for (i, child) in children.into_iter().enumerate() {
-            let out = child.wait_with_output().context("waiting for a launcher")?;
-            if !out.status.success() {
-                bail!(
-                    "host {i} failed ({}):\n{}{}",
-                    out.status,
-                    String::from_utf8_lossy(&out.stdout),
-                    String::from_utf8_lossy(&out.stderr)
-                );
-            }
+    for dtype in &dtypes {
+        for (label, transport) in algorithms {
+            let report = scratch.join(format!("{transport}-{dtype}.txt"));
+            let mut program: Vec<OsString> = vec![exe.clone().into_os_string()];
+            program.extend(task.forwarded().into_iter().map(OsString::from));
+            program.extend(["--transport", transport, "--dtype", dtype].map(OsString::from));
+            program.extend(["--report".into(), report.clone().into_os_string()]);
+            eprintln!("bench-collectives: {label}, {dtype}, on {hosts} hosts x {per_host}");
+            run_job(&cluster, &job(&launcher, per_host, program, Vec::new())?)?;
+            tables.push((label, *dtype, read_report(&report)?));
         }
-        tables.push((label, read_report(&report)?));
     }
     drop(cluster);
     let _ = std::fs::remove_dir_all(&scratch);
@@ -174,24 +192,39 @@ pub fn bench_across_hosts(task: &crate::bench::BenchCollectives) -> Result<()> {
          the limit between two hosts is algbw = link rate",
         rate.unwrap_or("unlimited")
     );
+    if dtypes.contains(&"bf16") {
+        println!(
+            "bf16 rows: gradients of `size` bytes of f32 sent as bf16 (an all-reduce of size/2 \
+             bytes); their algbw is of the f32 size, so it compares with the f32 rows \
+             (conversions not timed); `vs f32`: the same algorithm's f32 time over this one"
+        );
+    }
     println!(
-        "{:>9} {:>22} {:>12} {:>12} {:>9}",
-        "size", "algorithm", "median(us)", "algbw(MB/s)", "of link"
+        "{:>9} {:>20} {:>5} {:>12} {:>12} {:>8} {:>7}",
+        "size", "algorithm", "dtype", "median(us)", "algbw(MB/s)", "of link", "vs f32"
     );
-    for row in 0..tables[0].1.len() {
-        for (label, rows) in &tables {
+    for row in 0..tables[0].2.len() {
+        for (label, dtype, rows) in &tables {
             let Some(&(bytes, us, _)) = rows.get(row) else {
                 continue;
             };
             let algbw = bytes as f64 / (us * 1e-6);
             let frac = link.map_or("-".to_string(), |l| format!("{:.3}", algbw / l));
+            let f32_us = tables
+                .iter()
+                .find(|(l, d, _)| l == label && *d == "f32")
+                .and_then(|(_, _, rows)| rows.get(row))
+                .filter(|r| r.0 == bytes && *dtype != "f32");
+            let speedup = f32_us.map_or("-".to_string(), |r| format!("{:.2}x", r.1 / us));
             println!(
-                "{:>9} {:>22} {:>12.1} {:>12.1} {:>9}",
+                "{:>9} {:>20} {:>5} {:>12.1} {:>12.1} {:>8} {:>7}",
                 human(bytes),
                 label,
+                dtype,
                 us,
                 algbw / 1e6,
-                frac
+                frac,
+                speedup
             );
         }
     }

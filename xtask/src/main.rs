@@ -9,11 +9,15 @@
 //! - `multi-gpu [--nproc-per-node N] [--nnodes M --node-rank R --master-addr A --master-port P]`:
 //!   one rank per visible GPU (`CUDA_VISIBLE_DEVICES` respected), examples built with CUDA.
 //! - `bench-collectives [--world N] [--sizes 4K,64M,...] [--chunk 512K] [--spin-us 20]
-//!   [--op sum|avg|max] [--transport auto|tcp|shm] [--gloo PYTHON] [--debug]`: the all-reduce
-//!   benchmark on N rank processes (and PyTorch gloo's in the same run).
+//!   [--op sum|avg|max] [--transport auto|tcp|shm] [--dtype f32|bf16] [--gloo PYTHON]
+//!   [--debug]`: the all-reduce benchmark on N rank processes (and PyTorch gloo's in the same
+//!   run); with `--hosts N --nproc-per-host L --link-rate R`, on hosts of network namespaces:
+//!   flat ring against hierarchical, in f32 and bf16.
 //! - `bench-train [--epochs 3] [--repeats 3] [--batch-size 32] [--samples N] [--debug]`:
 //!   quickstart step time of `DdpLearner` at world size 1 against burn's `Learner`, and
-//!   samples/s at world size 2 against 1.
+//!   samples/s at world size 2 against 1; with `--hosts N [--nproc-per-host L] --link-rate R`,
+//!   on the 784-1024-1024-10 MLP: world 1, the same world on one host and across the hosts,
+//!   with and without bf16 gradients.
 //! - `gpu-bundle --out DIR`: stripped release binaries and `run.sh`, the one-command GPU check
 //!   for a bare machine with a GPU, CUDA 13 and NCCL (no cargo, no network).
 //! - `soak [--iters 5000]`: the long soak test (random all-reduces on 4 ranks, results checked,
@@ -52,7 +56,8 @@ enum Task {
     MultiGpu(ranks::MultiGpu),
     /// The all-reduce benchmark on N rank processes (release build)
     BenchCollectives(bench::BenchCollectives),
-    /// DdpLearner's overhead at world 1 and scaling to world 2, on the quickstart (release build)
+    /// DdpLearner's overhead at world 1 and scaling to world 2, on the quickstart; with --hosts,
+    /// across hosts on a slow link (release build)
     BenchTrain(bench::BenchTrain),
     /// Stripped release binaries and run.sh: the one-command check for a bare GPU machine
     GpuBundle(bundle::GpuBundle),

@@ -292,6 +292,7 @@ fn every_program_lists_its_flags_and_suggests_the_right_one() {
         "--chunk",
         "--spin-us",
         "--op",
+        "--dtype",
     ]);
     help(program("bench_reducer")).succeeds_printing(&["STEPS_PER_BLOCK", "BLOCKS"]);
     let tasks = [
@@ -314,6 +315,9 @@ fn every_program_lists_its_flags_and_suggests_the_right_one() {
         "--chunk",
         "--spin-us",
         "--op",
+        "--dtype",
+        "--hosts",
+        "--link-rate",
         "--debug",
     ];
     run(xtask(&["bench-collectives", "--help"])).succeeds_printing(&bench);
@@ -322,6 +326,9 @@ fn every_program_lists_its_flags_and_suggests_the_right_one() {
         "--repeats",
         "--batch-size",
         "--samples",
+        "--hosts",
+        "--nproc-per-host",
+        "--link-rate",
         "--debug",
     ];
     run(xtask(&["bench-train", "--help"])).succeeds_printing(&train);
@@ -396,6 +403,9 @@ fn every_example_runs_under_the_launcher() {
     let args = ["--sizes", "4K,64K"].map(String::from);
     let ran = run(launched("bench_collectives", &args));
     ran.succeeds_printing(&["world 2", "busbw(GB/s)", "4 KiB", "64 KiB"]);
+    let args = ["--sizes", "64K", "--dtype", "bf16"].map(String::from);
+    let ran = run(launched("bench_collectives", &args));
+    ran.succeeds_printing(&["world 2, bf16", "64 KiB"]);
 
     // Two ranks as threads of one process: it starts no ranks, so it runs alone.
     let mut cmd = program("bench_reducer");
