@@ -22,8 +22,12 @@ use crate::error::{DdpError, Result};
 /// How `DdpLearner` keeps buffers (float state without gradient, such as BatchNorm's running
 /// statistics) identical across ranks.
 ///
-/// ```ignore
-/// let learner = DdpLearner::new(model, optim, lr)?.buffer_sync(BufferSync::Average);
+/// ```
+/// # use burn::train::LearnerModel;
+/// use burn_ddp::train::{BufferSync, DdpLearner};
+/// # fn configure<M: LearnerModel>(learner: DdpLearner<M>) -> DdpLearner<M> {
+/// let learner = learner.buffer_sync(BufferSync::Average);
+/// # learner }
 /// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum BufferSync {

@@ -21,8 +21,12 @@ use crate::error::{DdpError, Result};
 
 /// The format gradient buckets travel in.
 ///
-/// ```ignore
-/// let learner = DdpLearner::new(model, optim, lr)?.compression(Compression::Bf16);
+/// ```
+/// # use burn::train::LearnerModel;
+/// use burn_ddp::train::{Compression, DdpLearner};
+/// # fn configure<M: LearnerModel>(learner: DdpLearner<M>) -> DdpLearner<M> {
+/// let learner = learner.compression(Compression::Bf16);
+/// # learner }
 /// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum Compression {

@@ -1,9 +1,16 @@
 //! `DdpLearner`: burn-train's `Learner`, data-parallel. Swap the type, launch with
-//! [`DdpTraining::launch_ddp`], run one process per device.
+//! [`DdpTraining::launch_ddp`], run one process per device (the whole program is on the
+//! crate's front page).
 //!
-//! ```ignore
-//! let learner = DdpLearner::new(model, optim, lr)?;      // was: Learner::new(model, optim, lr)
-//! let result = training.launch_ddp(learner)?;            // was: training.launch(learner)
+//! ```no_run
+//! # use burn::optim::SgdConfig;
+//! # use burn::train::{LearnerModel, LearningResult, SupervisedTraining, InferenceStep, TrainStep};
+//! # use burn_ddp::train::{DdpLearner, DdpTraining, GlobalItem};
+//! # fn train<M>(model: M, training: SupervisedTraining<M>) -> burn_ddp::Result<LearningResult<M>>
+//! # where M: LearnerModel, <M as TrainStep>::Output: GlobalItem, <M as InferenceStep>::Output: GlobalItem {
+//! let learner = DdpLearner::new(model, SgdConfig::new().init(), 0.1)?; // was: Learner::new
+//! let result = training.launch_ddp(learner)?;                          // was: launch
+//! # Ok(result) }
 //! ```
 
 use std::fmt::Display;

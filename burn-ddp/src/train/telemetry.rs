@@ -174,12 +174,18 @@ enum Figure {
 
 /// A data-parallel figure of each training step as a burn-train metric (rank 0 shows it):
 ///
-/// ```ignore
-/// let training = SupervisedTraining::new(dir, train, valid)
+/// ```
+/// # use burn::train::{LearnerModel, SupervisedTraining, TrainStep};
+/// # use burn::train::metric::Adaptor;
+/// use burn_ddp::train::{DdpMetric, StepInput};
+/// # fn configure<M>(training: SupervisedTraining<M>) -> SupervisedTraining<M>
+/// # where M: LearnerModel, <M as TrainStep>::Output: Adaptor<StepInput> {
+/// let training = training
 ///     .metric_train_numeric(DdpMetric::communication())
 ///     .metric_train_numeric(DdpMetric::exposed_communication())
 ///     .metric_train_numeric(DdpMetric::busbw())
 ///     .metric_train_numeric(DdpMetric::straggler_lag());
+/// # training }
 /// ```
 #[derive(Clone)]
 pub struct DdpMetric {
