@@ -66,6 +66,12 @@ fn rank_process() {
                     Ok(b) => buf = b,
                     Err(e) => {
                         eprintln!("RANK_ERROR: {e}");
+                        // Rank 0 serves the store the others read the agreed root cause from:
+                        // it stays a moment, as a launcher's store would outlive the ranks,
+                        // so that a rank that saw rank 0 leave first still learns the cause.
+                        if rank == 0 {
+                            std::thread::sleep(Duration::from_secs(1));
+                        }
                         std::process::exit(COLLECTIVE_FAILED);
                     }
                 }

@@ -64,6 +64,8 @@ fn train(accumulation: Option<usize>) -> Vec<Vec<f32>> {
             DdpLearner::with_group(Arc::new(group), model.clone(), SgdConfig::new().init(), LR)
                 .buckets(small_buckets())
                 .uneven_inputs(true)
+                // Each rank's loaders are its own shard already.
+                .shard_loaders(false)
                 .progress(ProgressOutput::Keep);
         let result = training.launch_ddp(learner).expect("training");
         assert!(result.error.is_none(), "{:?}", result.error);
