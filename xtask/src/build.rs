@@ -16,11 +16,12 @@ pub struct Built {
     pub path: PathBuf,
 }
 
-/// The cargo running this task (`CARGO`), else the one that built it, else `cargo` on the path.
+/// The cargo running this task (`CARGO`), else `cargo` on the path. Not the toolchain's own
+/// binary that built xtask: started outside rustup's proxy, it would run rustc without
+/// `RUSTUP_TOOLCHAIN`, and rustup would then follow a dependency's own `rust-toolchain.toml`
+/// (convert_case ships one naming 1.83.0) when xtask is run directly as `target/.../xtask`.
 pub fn cargo() -> std::ffi::OsString {
-    std::env::var_os("CARGO")
-        .or_else(|| option_env!("CARGO").map(Into::into))
-        .unwrap_or_else(|| "cargo".into())
+    std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into())
 }
 
 /// Runs `cargo build` with `selection` (cargo's package, target and feature flags) and returns
