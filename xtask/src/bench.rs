@@ -304,10 +304,8 @@ pub fn bench_train(task: BenchTrain) -> Result<()> {
     let cluster = match task.hosts {
         Some(hosts) => {
             let launcher = build_cpu_program("burn-ddp-run", !task.debug)?;
-            let mut config = burn_ddp::launch::cluster::ClusterConfig::new(hosts);
-            config.link_rate = task.link_rate.clone();
             Some((
-                burn_ddp::launch::cluster::Cluster::create(&config)?,
+                crate::cluster::create(hosts, task.link_rate.clone())?,
                 launcher,
             ))
         }

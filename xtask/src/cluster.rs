@@ -45,9 +45,7 @@ pub fn cluster(task: ClusterTask) -> Result<()> {
             .with_context(|| format!("the program {}", exe.display()))?
             .into_os_string();
     }
-    let mut config = ClusterConfig::new(task.hosts);
-    config.link_rate = task.link_rate.clone();
-    let cluster = Cluster::create(&config)?;
+    let cluster = create(task.hosts, task.link_rate.clone())?;
     let job = job(&launcher, task.nproc_per_host, program, Vec::new())?;
     eprintln!(
         "cluster: {} hosts x {} ranks ({}), links {}",
@@ -113,6 +111,13 @@ pub fn cluster(task: ClusterTask) -> Result<()> {
     Ok(())
 }
 
+/// `hosts` hosts of network namespaces, each link limited to `link_rate` (tc syntax) if given.
+pub fn create(hosts: usize, link_rate: Option<String>) -> Result<Cluster> {
+    let mut config = ClusterConfig::new(hosts);
+    config.link_rate = link_rate;
+    Ok(Cluster::create(&config)?)
+}
+
 /// Runs `job` on every host of `cluster` (one launcher each) and waits for all of them; a host
 /// that fails is an error carrying its output.
 pub fn run_job(cluster: &Cluster, job: &ClusterJob) -> Result<()> {
@@ -161,9 +166,7 @@ pub fn bench_across_hosts(task: &crate::bench::BenchCollectives) -> Result<()> {
     let rate = task.link_rate.as_deref();
     let launcher = build_cpu_program("burn-ddp-run", !debug)?;
     let exe = build_cpu_program("bench_collectives", !debug)?;
-    let mut config = ClusterConfig::new(hosts);
-    config.link_rate = rate.map(str::to_string);
-    let cluster = Cluster::create(&config)?;
+    let cluster = create(hosts, rate.map(str::to_string))?;
     let scratch = std::env::temp_dir().join(format!("burn-ddp-bench-hosts-{}", std::process::id()));
     std::fs::create_dir_all(&scratch)?;
     let dtypes: Vec<&str> = match task.dtype.as_deref() {

@@ -255,9 +255,7 @@ impl<M: LearnerModel> DdpLearner<M> {
         };
         Ok((Learner::new(model, self.optim, self.lr), strategy))
     }
-}
 
-impl<M: LearnerModel> DdpLearner<M> {
     /// A sampler made for this group that wraps more datasets than the splits it is registered
     /// for (none, or only training while it also feeds validation): the learner would shard
     /// that loader a second time (by the sampler, then by slicing) and never set its epoch.

@@ -16,6 +16,7 @@ use burn::data::dataloader::DataLoader;
 use super::sampler::DistributedSampler;
 use super::strategy::DdpStrategy;
 use crate::error::{DdpError, Result};
+use crate::wire::{DecodeError, Reader, Writer};
 
 /// One split's loader, as this rank will iterate it.
 pub(super) struct Shard<I> {
@@ -60,26 +61,20 @@ struct Counts {
 }
 
 impl Counts {
-    const WORDS: usize = 4;
-
-    fn encode(&self, out: &mut Vec<u8>) {
-        for word in [
-            self.given,
-            self.items,
-            self.batches,
-            u64::from(self.shuffles),
-        ] {
-            out.extend_from_slice(&word.to_le_bytes());
-        }
+    fn encode(&self, w: &mut Writer) {
+        w.u64(self.given)
+            .u64(self.items)
+            .u64(self.batches)
+            .u8(u8::from(self.shuffles));
     }
 
-    fn decode(words: &[u64]) -> Self {
-        Counts {
-            given: words[0],
-            items: words[1],
-            batches: words[2],
-            shuffles: words[3] != 0,
-        }
+    fn decode(r: &mut Reader<'_>) -> std::result::Result<Self, DecodeError> {
+        Ok(Counts {
+            given: r.u64()?,
+            items: r.u64()?,
+            batches: r.u64()?,
+            shuffles: r.u8()? != 0,
+        })
     }
 }
 
@@ -101,6 +96,14 @@ impl<'a> Split<'a> {
             name,
             samplers,
             uneven,
+        }
+    }
+
+    /// The `DdpLearner` method that registers this split's sampler.
+    fn registration(&self) -> &'static str {
+        match self.name {
+            "training" => "DdpLearner::sampler",
+            _ => "DdpLearner::valid_sampler",
         }
     }
 }
@@ -126,24 +129,22 @@ impl DdpStrategy {
     ) -> Result<Plan<T, V>> {
         let (train, train_counts) = self.measure(train, &train_split)?;
         let (valid, valid_counts) = self.measure(valid, &valid_split)?;
-        let mut mine = Vec::with_capacity(2 * Counts::WORDS * 8);
+        let mut mine = Writer::default();
         train_counts.encode(&mut mine);
         valid_counts.encode(&mut mine);
-        let all = self.group.all_gather(mine).wait()?;
+        let all = self.group.all_gather(mine.buf).wait()?;
         let mut trains = Vec::with_capacity(all.len());
         let mut valids = Vec::with_capacity(all.len());
-        for bytes in &all {
-            let words: Vec<u64> = bytes
-                .chunks_exact(8)
-                .map(|w| u64::from_le_bytes(w.try_into().unwrap_or_default()))
-                .collect();
-            if words.len() != 2 * Counts::WORDS {
-                return Err(DdpError::Disagreement(
-                    "a rank sent malformed loader counts".into(),
-                ));
-            }
-            trains.push(Counts::decode(&words[..Counts::WORDS]));
-            valids.push(Counts::decode(&words[Counts::WORDS..]));
+        for (rank, bytes) in all.iter().enumerate() {
+            let mut r = Reader::new(bytes);
+            let decoded = (Counts::decode(&mut r), Counts::decode(&mut r), r.finish());
+            let (Ok(train), Ok(valid), Ok(())) = decoded else {
+                return Err(DdpError::Disagreement(format!(
+                    "rank {rank} sent malformed loader counts"
+                )));
+            };
+            trains.push(train);
+            valids.push(valid);
         }
         let train_uneven = self.agree(&train_split, train.sliced.is_some(), &trains)?;
         self.agree(&valid_split, valid.sliced.is_some(), &valids)?;
@@ -240,31 +241,23 @@ impl DdpStrategy {
                     "the ranks' {name} loaders hold different numbers of items ({}) and no \
                      DistributedSampler is registered for them. DdpLearner shards a loader that \
                      every rank builds over the same whole dataset: give every rank the same \
-                     dataset, register the sampler that shares it (DdpLearner::{}), or, if your \
+                     dataset, register the sampler that shares it ({}), or, if your \
                      loaders already hold each rank's share, DdpLearner::shard_loaders(false)",
                     describe(counts, |c| format!("{} items", c.given)),
-                    if name == "training" {
-                        "sampler"
-                    } else {
-                        "valid_sampler"
-                    },
+                    split.registration(),
                 )));
             }
             if main {
                 log::info!(
                     "DdpLearner shards the {name} loader (no DistributedSampler registered): \
                      each of the {world} ranks takes a contiguous slice of its {} items, every \
-                     item on exactly one rank ({}). A DistributedSampler (DdpLearner::{}) would \
+                     item on exactly one rank ({}). A DistributedSampler ({}) would \
                      reshuffle the whole dataset across ranks every epoch; with slices a rank \
                      only ever sees its own (the loader's shuffle reorders within it), so a \
                      dataset sorted by class gives each rank a skewed share",
                     counts[0].given,
                     describe(counts, |c| format!("{} items", c.items)),
-                    if name == "training" {
-                        "sampler"
-                    } else {
-                        "valid_sampler"
-                    },
+                    split.registration(),
                 );
             }
         }
