@@ -1,31 +1,60 @@
-//! `NcclComm`: one NCCL communicator per process group, device = local rank; collectives on
-//! burn CUDA tensors in place on their CubeCL buffers, on a stream of our own, with no host copy.
+//! `NcclComm`: one NCCL communicator per process group on the GPU of the rank's tensors;
+//! collectives on burn CUDA tensors read from their CubeCL buffers and write into fresh ones, on
+//! a stream of our own, with no host copy.
 //!
-//! Each collective has two halves so that a caller can keep computing while it runs:
-//! [`NcclComm::start_all_reduce`] (and the broadcast and gather) runs on the thread that
-//! produced the tensor and takes a fence on that thread's CubeCL stream right after the kernels
-//! that wrote it; [`Pending::wait`], on any thread, waits for that fence, enqueues NCCL on the
-//! communicator's stream and waits (bounded by the timeout) for it to finish. burn-ddp calls
-//! `wait` on its collective thread, so the next bucket is packed while this one travels.
+//! **Reaching the CubeCL buffer.** burn's default features turn on kernel fusion, and Cargo
+//! unifies features: one crate anywhere in a user's graph that depends on burn with its
+//! defaults makes every CubeCL tensor a fusion handle (`burn_cubecl::Cube` is then
+//! `Fusion<CubeBackend>`). So this crate turns fusion on itself, making `Cube` one type in every
+//! build, and reaches the buffer through the fusion client: `resolve_tensor_float` runs what is
+//! queued for the tensor and hands over its `CubeTensor`; the result goes back as a fusion
+//! tensor registered with an `Init` operation, as burn-fusion's own `float_from_data` does.
+//!
+//! **Out of place.** Every collective writes a new buffer: the input may be shared (a clone of
+//! the tensor, a view of a parameter), and writing into it would change the caller's other
+//! copies. NCCL is as fast out of place, and at world size 1 an out-of-place collective still
+//! copies, so a check there proves NCCL read and wrote the right memory.
+//!
+//! **Two halves.** [`NcclComm::start_all_reduce`] (and the broadcast and gather) runs on the
+//! thread that produced the tensor and takes a fence on that thread's CubeCL stream right after
+//! the kernels that wrote it; [`Pending::wait`], on any thread, waits for the fence, enqueues
+//! NCCL on the communicator's stream and polls until it finishes. Every wait is bounded: by the
+//! timeout, by [`NcclComm::abort`] from another thread (seen within a poll), by NCCL's own
+//! asynchronous error (a peer's network failure), and by the caller's watch, asked every
+//! [`crate::WATCH_INTERVAL`] (burn-ddp's reports a dead peer or the group's failure record).
+//! The communicator is non-blocking (`ncclCommInitRankConfig` with `blocking = 0`), so joining
+//! is bounded the same way. Every thread binds the GPU's primary context before calling NCCL,
+//! so no other GPU gets a context.
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use burn::backend::Cuda;
-use burn::tensor::{DType as BurnDType, Tensor};
+use burn::tensor::{Device, Tensor};
+use burn_cubecl::CubeBackend;
 use burn_cubecl::cubecl::future::{DynFut, block_on};
+use burn_cubecl::fusion::FusionCubeRuntime;
 use burn_cubecl::kernel::into_contiguous;
 use burn_cubecl::tensor::CubeTensor;
+use burn_fusion::stream::StreamId;
+use burn_fusion::{FusionTensor, NoOp};
+use burn_ir::{BackendIr, InitOperationIr, OperationIr, OperationOutput};
 use cubecl_cuda::CudaRuntime;
 use cubecl_runtime::runtime::Runtime;
 use cudarc::driver::{CudaContext, CudaStream};
 
 use crate::error::NcclError;
-use crate::ffi::{self, DType, RawComm, RawOp, RedOp};
+use crate::ffi::{self, RawComm, RawOp, State};
 use crate::library::Located;
+use crate::tables::{DType, RedOp, cuda_ordinal, join_advice};
+use crate::waiting::{Stop, poll_until};
 
 type CudaServer = <CudaRuntime as Runtime>::Server;
 type Fence = DynFut<Result<(), burn_cubecl::cubecl::server::ServerError>>;
+
+/// How long a dropped communicator may take to flush before it is aborted instead.
+const FINALIZE_LIMIT: Duration = Duration::from_secs(10);
 
 /// Reductions offered by [`NcclComm::start_all_reduce`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -40,17 +69,6 @@ pub enum ReduceOp {
     Min,
 }
 
-/// Whether `device` is served by burn's CUDA backend (the NCCL path's devices).
-pub fn is_cuda(device: &burn::tensor::Device) -> bool {
-    // Without libcuda no device can be CUDA, and touching one would panic in the loader.
-    if !ffi::libraries_present().0 {
-        return false;
-    }
-    Tensor::<1>::zeros([1], &device.clone().inner())
-        .try_into_primitive::<Cuda>()
-        .is_ok()
-}
-
 /// Checks that libcuda and libnccl can be loaded, so that nothing later panics in a loader.
 pub fn check_libraries() -> Result<(), NcclError> {
     match ffi::libraries_present() {
@@ -60,8 +78,7 @@ pub fn check_libraries() -> Result<(), NcclError> {
     }
 }
 
-/// A fresh NCCL unique id, created on rank 0 and passed to the others (through the store).
-/// Needs libnccl but no GPU.
+/// A fresh NCCL unique id, created on rank 0 and passed to the others. Needs libnccl but no GPU.
 pub fn unique_id(rank: usize) -> Result<[u8; 128], NcclError> {
     if !ffi::libraries_present().1 {
         return Err(Located::from_env().missing("libnccl"));
@@ -73,7 +90,7 @@ pub fn unique_id(rank: usize) -> Result<[u8; 128], NcclError> {
     })
 }
 
-/// An NCCL communicator on this rank's GPU. Cloning shares it.
+/// An NCCL communicator on one GPU of this rank. Cloning shares it.
 #[derive(Clone)]
 pub struct NcclComm {
     inner: Arc<Inner>,
@@ -82,20 +99,27 @@ pub struct NcclComm {
 struct Inner {
     rank: usize,
     world: usize,
-    raw: Mutex<RawComm>,
+    gpu: usize,
+    ctx: Arc<CudaContext>,
     stream: Arc<CudaStream>,
+    raw: Mutex<RawComm>,
+    /// Set by [`NcclComm::abort`]; the thread holding `raw` aborts it at its next poll.
+    aborted: AtomicBool,
     timeout: Duration,
 }
 
 impl NcclComm {
-    /// Joins the communicator `id` as `rank` of `world` on GPU `device` (the local rank).
-    /// Every rank must call it with the same id.
+    /// Joins the communicator `id` as `rank` of `world` on CUDA GPU `gpu` (the ordinal of the
+    /// rank's tensors' device, see [`crate::cuda_ordinal`]). Every rank calls it with the same
+    /// id. Bounded like a collective: by `timeout`, and by `watch` (asked every
+    /// [`crate::WATCH_INTERVAL`]; a reason it returns stops the join).
     pub fn new(
         rank: usize,
         world: usize,
-        device: usize,
+        gpu: usize,
         id: &[u8; 128],
         timeout: Duration,
+        watch: &mut dyn FnMut() -> Option<String>,
     ) -> Result<Self, NcclError> {
         check_libraries()?;
         let cuda = |call: &'static str| {
@@ -105,20 +129,39 @@ impl NcclComm {
                 message: e.to_string(),
             }
         };
-        // The device's primary context: the one cubecl-cuda uses for burn's buffers.
-        let ctx = CudaContext::new(device).map_err(cuda("cuCtxRetain (CudaContext::new)"))?;
-        let stream = ctx.new_stream().map_err(cuda("cuStreamCreate"))?;
-        let raw = RawComm::init(world, id, rank).map_err(|message| NcclError::Nccl {
+        // The GPU's primary context: the one cubecl-cuda uses for burn's buffers.
+        let ctx = CudaContext::new(gpu).map_err(|e| NcclError::Cuda {
             rank,
-            call: "ncclCommInitRank",
-            message,
+            call: "cuDevicePrimaryCtxRetain",
+            message: format!("GPU {gpu}: {e}"),
         })?;
+        ctx.bind_to_thread().map_err(cuda("cuCtxSetCurrent"))?;
+        let stream = ctx.new_stream().map_err(cuda("cuStreamCreate"))?;
+        let join_error = |message: String| NcclError::Nccl {
+            rank,
+            call: "ncclCommInitRankConfig",
+            message: join_advice(&message),
+        };
+        let mut raw = RawComm::start(world, id, rank).map_err(join_error)?;
+        let joined = poll_until(timeout, &AtomicBool::new(false), watch, || {
+            ready(raw.state())
+        });
+        if let Err(stop) = joined {
+            raw.abort();
+            return Err(match stop {
+                Stop::Failed(message) => join_error(message),
+                other => stopped(rank, "joining the communicator".into(), timeout, other),
+            });
+        }
         Ok(NcclComm {
             inner: Arc::new(Inner {
                 rank,
                 world,
-                raw: Mutex::new(raw),
+                gpu,
+                ctx,
                 stream,
+                raw: Mutex::new(raw),
+                aborted: AtomicBool::new(false),
                 timeout,
             }),
         })
@@ -129,15 +172,21 @@ impl NcclComm {
         self.inner.world
     }
 
-    /// All-reduces a flat CUDA tensor (f32, f16 or bf16) in place and returns it (blocking:
-    /// [`NcclComm::start_all_reduce`] then [`Pending::wait`]).
-    pub fn all_reduce(&self, tensor: Tensor<1>, op: ReduceOp) -> Result<Tensor<1>, NcclError> {
-        self.start_all_reduce(tensor, op)?.wait()
+    /// The GPU (CUDA ordinal) the communicator runs on.
+    pub fn gpu(&self) -> usize {
+        self.inner.gpu
     }
 
-    /// Starts an in-place all-reduce of a flat CUDA tensor (f32, f16 or bf16).
+    /// All-reduces a flat CUDA tensor and returns the result (blocking:
+    /// [`NcclComm::start_all_reduce`] then [`Pending::wait`] with no watch).
+    pub fn all_reduce(&self, tensor: Tensor<1>, op: ReduceOp) -> Result<Tensor<1>, NcclError> {
+        self.start_all_reduce(tensor, op)?.wait(&mut || None)
+    }
+
+    /// Starts an all-reduce of a flat CUDA tensor (f64, f32, f16 or bf16) into a new tensor.
     pub fn start_all_reduce(&self, tensor: Tensor<1>, op: ReduceOp) -> Result<Pending, NcclError> {
-        let buf = self.buffer(tensor)?;
+        let input = self.buffer(tensor)?;
+        let output = self.output_like(&input, input.count)?;
         let op = match op {
             ReduceOp::Sum => RedOp::Sum,
             ReduceOp::Avg => RedOp::Avg,
@@ -145,16 +194,16 @@ impl NcclComm {
             ReduceOp::Min => RedOp::Min,
         };
         let raw = RawOp::AllReduce {
-            send: buf.ptr,
-            recv: buf.ptr,
-            count: buf.count,
+            send: input.ptr,
+            recv: output.ptr,
+            count: input.count,
             op,
         };
-        Ok(self.pending(raw, "all_reduce", buf, None))
+        Ok(self.pending(raw, "all_reduce", input, output))
     }
 
-    /// Starts an in-place broadcast: the tensor becomes `root`'s on every rank (same length and
-    /// type on every rank).
+    /// Starts a broadcast: the result is `root`'s tensor on every rank (same length and type
+    /// on every rank).
     pub fn start_broadcast(&self, tensor: Tensor<1>, root: usize) -> Result<Pending, NcclError> {
         if root >= self.inner.world {
             return Err(self.tensor_error(format!(
@@ -162,39 +211,40 @@ impl NcclComm {
                 self.inner.world
             )));
         }
-        let buf = self.buffer(tensor)?;
+        let input = self.buffer(tensor)?;
+        let output = self.output_like(&input, input.count)?;
         let raw = RawOp::Broadcast {
-            buf: buf.ptr,
-            count: buf.count,
+            send: input.ptr,
+            recv: output.ptr,
+            count: input.count,
             root,
         };
-        Ok(self.pending(raw, "broadcast", buf, None))
+        Ok(self.pending(raw, "broadcast", input, output))
     }
 
-    /// Starts an all-gather: every rank's tensor (the same length on every rank, which the
-    /// caller checks) concatenated in rank order, `world * len` elements.
+    /// Starts an all-gather: every rank's tensor (the same length and type on every rank, which
+    /// the caller checks) concatenated in rank order, `world * len` elements.
     pub fn start_all_gather(&self, tensor: Tensor<1>) -> Result<Pending, NcclError> {
-        let (dtype, device) = (tensor.dtype(), tensor.device());
-        let n = tensor.shape().num_elements();
         let input = self.buffer(tensor)?;
-        let output = Tensor::<1>::empty([n * self.inner.world], &device).cast(dtype);
-        let output = self.buffer(output)?;
+        let output = self.output_like(&input, input.count * self.inner.world)?;
         let raw = RawOp::AllGather {
             send: input.ptr,
             recv: output.ptr,
             count: input.count,
         };
-        Ok(self.pending(raw, "all_gather", input, Some(output)))
+        Ok(self.pending(raw, "all_gather", input, output))
     }
 
-    /// Aborts the communicator (after a failure elsewhere in the group): pending and later
-    /// collectives fail instead of waiting for ranks that will not come.
+    /// Aborts the communicator (after a failure elsewhere in the group): a collective waiting on
+    /// another thread ends within a poll, and later ones fail at once.
     pub fn abort(&self) {
-        self.inner
-            .raw
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .abort();
+        let inner = &self.inner;
+        inner.aborted.store(true, Ordering::Release);
+        // A waiting thread holds the lock and aborts at its next poll; otherwise abort here.
+        if let Ok(mut raw) = inner.raw.try_lock() {
+            let _ = inner.ctx.bind_to_thread();
+            raw.abort();
+        }
     }
 
     fn pending(
@@ -202,10 +252,11 @@ impl NcclComm {
         op: RawOp,
         name: &'static str,
         input: DeviceBuffer,
-        output: Option<DeviceBuffer>,
+        output: DeviceBuffer,
     ) -> Pending {
         // The fence is recorded on this thread's CubeCL stream, after the kernels that wrote
-        // the input (and allocated the output): waiting for it waits for exactly those.
+        // the input and allocated the output (reading their addresses made this stream wait for
+        // the streams that wrote them): waiting for it waits for exactly those.
         let ready = input.prim.client.sync();
         Pending {
             comm: self.clone(),
@@ -224,19 +275,41 @@ impl NcclComm {
         }
     }
 
+    /// A new tensor of `count` elements of `like`'s type on its device, pinned.
+    fn output_like(&self, like: &DeviceBuffer, count: usize) -> Result<DeviceBuffer, NcclError> {
+        let output = Tensor::<1>::empty([count], (&like.device, like.prim.dtype));
+        self.buffer(output)
+    }
+
     /// The tensor's CubeCL buffer, contiguous and pinned.
     fn buffer(&self, tensor: Tensor<1>) -> Result<DeviceBuffer, NcclError> {
-        let dtype = match tensor.dtype() {
-            BurnDType::F32 => DType::F32,
-            BurnDType::F16 => DType::F16,
-            BurnDType::BF16 => DType::BF16,
-            other => {
-                return Err(self.tensor_error(format!("element type {other:?} is not supported")));
-            }
+        let dtype = DType::of(tensor.dtype()).ok_or_else(|| {
+            self.tensor_error(format!(
+                "element type {:?} is not supported (f64, f32, f16 and bf16 are)",
+                tensor.dtype()
+            ))
+        })?;
+        let device = tensor.device().inner();
+        let tensor = if tensor.device().is_autodiff() {
+            tensor.inner()
+        } else {
+            tensor
         };
-        let prim: CubeTensor = tensor
-            .try_into_primitive::<Cuda>()
-            .map_err(|e| self.tensor_error(format!("not a CUDA tensor ({e:?})")))?;
+        match cuda_ordinal(&device) {
+            Some(gpu) if gpu == self.inner.gpu => {}
+            Some(gpu) => {
+                return Err(self.tensor_error(format!(
+                    "the tensor is on GPU {gpu} but this rank's NCCL communicator is on GPU {} \
+                     (the GPU of its first CUDA tensor): a rank keeps all its tensors on one GPU",
+                    self.inner.gpu
+                )));
+            }
+            None => {
+                return Err(self.tensor_error(format!("{device:?} is not a CUDA device")));
+            }
+        }
+        let prim =
+            into_cube(tensor).map_err(|e| self.tensor_error(format!("not a CUDA tensor ({e})")))?;
         let prim = into_contiguous(prim);
         let count = prim.meta.shape().num_elements();
         let resource = prim
@@ -248,12 +321,28 @@ impl NcclComm {
             _pin: Box::new(resource),
             count,
             dtype,
+            device,
             prim,
         })
     }
 }
 
-/// A collective started by [`NcclComm`]: wait for it (on any thread) to get the tensor back.
+impl Drop for Inner {
+    /// Flushes a healthy communicator (bounded) before [`RawComm`] destroys it.
+    fn drop(&mut self) {
+        let _ = self.ctx.bind_to_thread();
+        let raw = self.raw.get_mut().unwrap_or_else(|p| p.into_inner());
+        if !self.aborted.load(Ordering::Acquire) && raw.start_finalize().is_ok() {
+            let _ = poll_until(FINALIZE_LIMIT, &self.aborted, &mut || None, || {
+                ready(raw.state())
+            });
+        } else {
+            raw.abort();
+        }
+    }
+}
+
+/// A collective started by [`NcclComm`]: wait for it (on any thread) to get the result.
 #[must_use = "the collective runs only in Pending::wait"]
 pub struct Pending {
     comm: NcclComm,
@@ -261,14 +350,16 @@ pub struct Pending {
     name: &'static str,
     ready: Fence,
     input: DeviceBuffer,
-    output: Option<DeviceBuffer>,
+    output: DeviceBuffer,
 }
 
 impl Pending {
-    /// Waits for the input's kernels, runs the collective on NCCL's stream and waits for it
-    /// (at most the communicator's timeout; then the communicator is aborted) and returns the
-    /// result: the tensor itself, or for a gather the concatenation of every rank's tensor.
-    pub fn wait(self) -> Result<Tensor<1>, NcclError> {
+    /// Waits for the input's kernels, runs the collective on NCCL's stream and polls until it
+    /// finishes, then returns the result (for a gather the concatenation of every rank's
+    /// tensor). The wait ends early, aborting the communicator, on NCCL's asynchronous error,
+    /// on the communicator's timeout, on [`NcclComm::abort`], or when `watch` (asked every
+    /// [`crate::WATCH_INTERVAL`]) returns a reason.
+    pub fn wait(self, watch: &mut dyn FnMut() -> Option<String>) -> Result<Tensor<1>, NcclError> {
         let inner = &self.comm.inner;
         let (rank, timeout) = (inner.rank, inner.timeout);
         block_on(self.ready).map_err(|e| NcclError::Tensor {
@@ -279,34 +370,99 @@ impl Pending {
             "{} of {} x {:?}",
             self.name, self.input.count, self.input.dtype
         );
+        let nccl_error = |message: String| NcclError::Nccl {
+            rank,
+            call: self.name,
+            message,
+        };
+        let start = Instant::now();
         let stream = inner.stream.cu_stream();
         let mut raw = inner.raw.lock().unwrap_or_else(|p| p.into_inner());
-        raw.enqueue(self.op, self.input.dtype, stream)
-            .map_err(|message| NcclError::Nccl {
-                rank,
-                call: self.name,
-                message,
-            })?;
-        raw.wait(stream, timeout).map_err(|message| {
-            if message.starts_with("timed out") {
-                NcclError::Timeout {
-                    rank,
-                    op: what,
-                    timeout,
-                }
-            } else {
-                NcclError::Nccl {
-                    rank,
-                    call: self.name,
-                    message,
-                }
-            }
+        inner.ctx.bind_to_thread().map_err(|e| NcclError::Cuda {
+            rank,
+            call: "cuCtxSetCurrent",
+            message: e.to_string(),
         })?;
+        if inner.aborted.load(Ordering::Acquire) {
+            raw.abort();
+            return Err(stopped(rank, what, timeout, Stop::Aborted));
+        }
+        raw.enqueue(self.op, self.input.dtype, stream)
+            .map_err(nccl_error)?;
+        // First until NCCL has issued the collective (a non-blocking communicator may still be
+        // issuing it), then until the stream ran it, watching NCCL's asynchronous error.
+        let issued = poll_until(timeout, &inner.aborted, watch, || ready(raw.state()));
+        let finished = issued.and_then(|()| {
+            let left = timeout.saturating_sub(start.elapsed());
+            poll_until(left, &inner.aborted, watch, || match raw.state() {
+                State::Failed(message) => Err(message),
+                _ => ffi::stream_finished(stream),
+            })
+        });
+        if let Err(stop) = finished {
+            raw.abort();
+            return Err(match stop {
+                Stop::Failed(message) => nccl_error(message),
+                other => stopped(rank, what, timeout, other),
+            });
+        }
         drop(raw);
-        // NCCL's stream is finished: the pins may go and burn may read the buffers.
-        let out = self.output.unwrap_or(self.input);
-        Ok(Tensor::from_primitive::<Cuda>(out.prim))
+        // NCCL's stream is finished: the pins may go and burn may read the result.
+        Ok(from_cube(self.output.prim))
     }
+}
+
+/// A poll of a communicator's state: done when ready.
+fn ready(state: State) -> Result<bool, String> {
+    match state {
+        State::Ready => Ok(true),
+        State::InProgress => Ok(false),
+        State::Failed(message) => Err(message),
+    }
+}
+
+/// The error of a wait that ended before its work did (the communicator is aborted).
+fn stopped(rank: usize, op: String, timeout: Duration, stop: Stop) -> NcclError {
+    match stop {
+        Stop::TimedOut => NcclError::Timeout { rank, op, timeout },
+        Stop::Watched(reason) => NcclError::Stopped { rank, op, reason },
+        Stop::Aborted => NcclError::Stopped {
+            rank,
+            op,
+            reason: "the communicator was aborted after a failure in the group".into(),
+        },
+        Stop::Failed(reason) => NcclError::Nccl {
+            rank,
+            call: "NCCL",
+            message: reason,
+        },
+    }
+}
+
+/// The `CubeTensor` under a CUDA tensor: fusion runs what is queued for it and hands it over.
+fn into_cube(tensor: Tensor<1>) -> Result<CubeTensor, String> {
+    let fused: FusionTensor<FusionCubeRuntime> = tensor
+        .try_into_primitive::<Cuda>()
+        .map_err(|e| format!("{e:?}"))?;
+    let client = fused.client.clone();
+    Ok(client.resolve_tensor_float::<CubeBackend>(fused))
+}
+
+/// A `CubeTensor` back as a burn tensor, registered with fusion as a fresh tensor (what
+/// burn-fusion's `float_from_data` does with a new buffer).
+fn from_cube(prim: CubeTensor) -> Tensor<1> {
+    let client = burn_fusion::get_client::<CubeBackend>(&prim.device);
+    let (shape, dtype) = (prim.meta.shape().clone(), prim.dtype);
+    let handle = <CubeBackend as BackendIr>::float_tensor_handle(prim);
+    let init = InitOperationIr::create(shape, dtype, || client.register_tensor_handle(handle));
+    let fused = client
+        .register(
+            StreamId::current(),
+            OperationIr::Init(init),
+            NoOp::<CubeBackend>::new(),
+        )
+        .output();
+    Tensor::from_primitive::<Cuda>(fused)
 }
 
 /// A CubeCL buffer pinned while NCCL uses its address.
@@ -316,5 +472,7 @@ struct DeviceBuffer {
     _pin: Box<dyn std::any::Any + Send>,
     count: usize,
     dtype: DType,
+    /// burn's device of the buffer (without autodiff).
+    device: Device,
     prim: CubeTensor,
 }

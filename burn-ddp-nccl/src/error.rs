@@ -51,8 +51,19 @@ pub enum NcclError {
         /// The limit.
         timeout: std::time::Duration,
     },
+    /// A wait was stopped before NCCL finished, by a failure found elsewhere in the group (a
+    /// dead peer, the group's failure record) or an abort; the communicator was aborted.
+    #[error("rank {rank}: NCCL {op} stopped: {reason}; communicator aborted")]
+    Stopped {
+        /// Rank reporting.
+        rank: usize,
+        /// The operation.
+        op: String,
+        /// What stopped it.
+        reason: String,
+    },
     /// A tensor cannot be reduced by NCCL (type, device, layout).
-    #[error("rank {rank}: cannot all-reduce this tensor: {reason}")]
+    #[error("rank {rank}: NCCL cannot take this tensor: {reason}")]
     Tensor {
         /// Rank reporting.
         rank: usize,
@@ -80,7 +91,7 @@ mod tests {
         };
         assert_eq!(
             format!("{e:?}"),
-            "rank 1: cannot all-reduce this tensor: not on a CUDA device"
+            "rank 1: NCCL cannot take this tensor: not on a CUDA device"
         );
     }
 }

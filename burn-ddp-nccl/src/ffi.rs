@@ -1,28 +1,31 @@
-//! Every `unsafe` call of the NCCL backend: library presence checks, NCCL communicator calls on
-//! raw device pointers, and the stream query that bounds their wait.
+//! Every `unsafe` call of the NCCL backend (the crate denies `unsafe_code` elsewhere): library
+//! presence checks, the NCCL communicator on raw device pointers, and the stream query that
+//! bounds its waits.
 //!
 //! Safety argument, in one place:
 //! - cudarc loads libcuda and libnccl lazily and panics when one is missing; every function
 //!   here that reaches them is only called after [`libraries_present`] returned true for both
 //!   (the presence checks themselves only try to `dlopen` and report).
-//! - A [`RawComm`] owns its `ncclComm_t`: created by `ncclCommInitRank`, used only through
-//!   `&self`/`&mut self`, and released exactly once (destroyed on drop, or aborted on failure
-//!   and then never used again).
+//! - A [`RawComm`] owns its `ncclComm_t`: created by `ncclCommInitRankConfig`, used only through
+//!   `&mut self` (its owner keeps it behind a mutex), and released exactly once: finalized and
+//!   destroyed on drop when healthy, aborted otherwise, and never used after an abort.
+//! - The caller binds the communicator's CUDA context to the calling thread before every call
+//!   here that reaches the GPU (init, enqueue, stream query, finalize, abort).
 //! - [`RawComm::enqueue`] receives device pointers and counts that the caller took from live,
 //!   contiguous CubeCL buffers (of `count` elements; `world * count` for a gather's output) it
-//!   keeps pinned (a `ManagedResource`) until [`RawComm::wait`] saw NCCL's stream finish, so
-//!   NCCL reads and writes memory that stays allocated. No CubeCL kernel touches it meanwhile:
-//!   the caller waited for the fence CubeCL's stream recorded after the kernels that produced
-//!   the input before enqueuing, and hands the tensor back to burn only after the wait.
+//!   keeps pinned (a `ManagedResource`) until [`stream_finished`] said NCCL's stream finished or
+//!   the communicator was aborted, so NCCL reads and writes memory that stays allocated. No CubeCL
+//!   kernel touches it meanwhile: the caller waited for the fence CubeCL's stream recorded after
+//!   the kernels that produced the input, and hands the output to burn only after the wait.
 //! - Strings from `ncclGetErrorString` / `ncclGetLastError` are static or owned by NCCL and
 //!   copied at once.
 
-use std::ffi::{CStr, c_void};
-use std::time::{Duration, Instant};
+use std::ffi::{CStr, c_char, c_int, c_uint, c_void};
 
 use cudarc::driver::sys as cu;
-use cudarc::nccl::result as nccl;
 use cudarc::nccl::sys;
+
+use crate::tables::{DType, RedOp};
 
 /// Whether libcuda and libnccl can be loaded (never panics).
 pub(crate) fn libraries_present() -> (bool, bool) {
@@ -31,7 +34,7 @@ pub(crate) fn libraries_present() -> (bool, bool) {
 }
 
 /// NCCL's message for a result code.
-pub(crate) fn error_string(code: sys::ncclResult_t) -> String {
+fn error_string(code: sys::ncclResult_t) -> String {
     // SAFETY: only called once libnccl is loaded; the pointer is a static C string.
     unsafe {
         let p = sys::ncclGetErrorString(code);
@@ -45,82 +48,139 @@ pub(crate) fn error_string(code: sys::ncclResult_t) -> String {
 
 /// A fresh 128-byte NCCL unique id (needs only libnccl, no GPU).
 pub(crate) fn unique_id() -> Result<[u8; 128], String> {
-    let id = nccl::get_uniqueid().map_err(|e| error_string(e.0))?;
+    let mut id = sys::ncclUniqueId { internal: [0; 128] };
+    // SAFETY: `id` is a valid out-pointer; libnccl is loaded (module invariant).
+    let code = unsafe { sys::ncclGetUniqueId(&mut id) };
+    if code != sys::ncclResult_t::ncclSuccess {
+        return Err(error_string(code));
+    }
     Ok(id.internal.map(|c| c as u8))
 }
 
-/// The element types NCCL moves here.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum DType {
-    F32,
-    F16,
-    BF16,
+/// The first fields of `ncclConfig_t` (NCCL 2.18's whole struct, `version` saying 2.17). Later
+/// versions only append fields, and NCCL's `parseCommConfig` starts from
+/// `NCCL_CONFIG_INITIALIZER`, copies `size` bytes of what it is given over it and resets the
+/// fields newer than `version` to their defaults, so this prefix works with every NCCL from
+/// 2.17 on, whatever version cudarc's bindings were generated for. (`NCCL_COMM_BLOCKING` in
+/// the environment overrides `blocking`.)
+#[repr(C)]
+struct ConfigV2_17 {
+    size: usize,
+    magic: c_uint,
+    version: c_uint,
+    blocking: c_int,
+    cga_cluster_size: c_int,
+    min_ctas: c_int,
+    max_ctas: c_int,
+    net_name: *const c_char,
+    split_share: c_int,
 }
 
-impl DType {
-    fn raw(self) -> sys::ncclDataType_t {
-        match self {
-            DType::F32 => sys::ncclDataType_t::ncclFloat32,
-            DType::F16 => sys::ncclDataType_t::ncclFloat16,
-            DType::BF16 => sys::ncclDataType_t::ncclBfloat16,
+/// `NCCL_CONFIG_UNDEF_INT`: "NCCL's default" for an int field.
+const UNDEF_INT: c_int = c_int::MIN;
+
+impl ConfigV2_17 {
+    /// `NCCL_CONFIG_INITIALIZER` with `blocking = 0`.
+    fn non_blocking() -> Self {
+        ConfigV2_17 {
+            size: std::mem::size_of::<Self>(),
+            magic: 0xcafe_beef,
+            // NCCL_VERSION(2, 17, 0)
+            version: 2 * 10_000 + 17 * 100,
+            blocking: 0,
+            cga_cluster_size: UNDEF_INT,
+            min_ctas: UNDEF_INT,
+            max_ctas: UNDEF_INT,
+            net_name: std::ptr::null(),
+            split_share: UNDEF_INT,
         }
     }
 }
 
-/// The reductions NCCL performs here.
-#[derive(Debug, Clone, Copy)]
-pub(crate) enum RedOp {
-    Sum,
-    Avg,
-    Max,
-    Min,
+/// Where a non-blocking communicator's last call stands (`ncclCommGetAsyncError`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum State {
+    /// Everything asked of it so far has been issued.
+    Ready,
+    /// Still joining, or still issuing a collective.
+    InProgress,
+    /// It failed (NCCL's words, with `ncclGetLastError`'s).
+    Failed(String),
 }
 
 /// One collective on raw device addresses, enqueued by [`RawComm::enqueue`].
 #[derive(Debug, Clone, Copy)]
 pub(crate) enum RawOp {
-    /// `count` elements from `send` reduced into `recv` (the same address for in place).
+    /// `count` elements from `send` reduced into `recv`.
     AllReduce {
         send: u64,
         recv: u64,
         count: usize,
         op: RedOp,
     },
-    /// `count` elements of `buf` become `root`'s, in place.
-    Broadcast { buf: u64, count: usize, root: usize },
+    /// `count` elements of `root`'s `send` land in every rank's `recv`.
+    Broadcast {
+        send: u64,
+        recv: u64,
+        count: usize,
+        root: usize,
+    },
     /// `count` elements from `send` on every rank land at `recv + rank * count`.
     AllGather { send: u64, recv: u64, count: usize },
 }
 
-/// An owned NCCL communicator.
+/// An owned, non-blocking NCCL communicator.
 pub(crate) struct RawComm {
     comm: sys::ncclComm_t,
     aborted: bool,
 }
 
 // SAFETY: an NCCL communicator may be used from any thread as long as calls on it are not
-// concurrent; RawComm is only reached through &mut or a Mutex in NcclComm.
+// concurrent; RawComm is only reached through &mut (behind a Mutex in NcclComm).
 unsafe impl Send for RawComm {}
 
 impl RawComm {
-    /// `ncclCommInitRank` (blocking; the caller's context must be current).
-    pub(crate) fn init(world: usize, id: &[u8; 128], rank: usize) -> Result<Self, String> {
+    /// Starts joining communicator `id` as `rank` of `world` on the current context's GPU,
+    /// without blocking: poll [`RawComm::state`] until it is ready.
+    pub(crate) fn start(world: usize, id: &[u8; 128], rank: usize) -> Result<Self, String> {
         let mut uid = sys::ncclUniqueId { internal: [0; 128] };
         for (d, s) in uid.internal.iter_mut().zip(id) {
             *d = *s as _;
         }
+        let mut config = ConfigV2_17::non_blocking();
         let mut comm: sys::ncclComm_t = std::ptr::null_mut();
-        // SAFETY: `comm` is a valid out-pointer; libnccl is loaded (module invariant).
-        unsafe { nccl::comm_init_rank(&mut comm, world as i32, uid, rank as i32) }
-            .map_err(|e| error_string(e.0))?;
-        Ok(RawComm {
+        // SAFETY: `comm` is a valid out-pointer and `config` a valid, initialised config of the
+        // layout its `size` and `version` declare (see ConfigV2_17); libnccl is loaded.
+        let code = unsafe {
+            sys::ncclCommInitRankConfig(
+                &mut comm,
+                world as c_int,
+                uid,
+                rank as c_int,
+                (&mut config as *mut ConfigV2_17).cast::<sys::ncclConfig_t>(),
+            )
+        };
+        let ok = matches!(
+            code,
+            sys::ncclResult_t::ncclSuccess | sys::ncclResult_t::ncclInProgress
+        );
+        if comm.is_null() {
+            return Err(error_string(code));
+        }
+        let mut raw = RawComm {
             comm,
             aborted: false,
-        })
+        };
+        if !ok {
+            let message = format!("{} ({})", error_string(code), raw.last_error());
+            raw.abort();
+            return Err(message);
+        }
+        Ok(raw)
     }
 
     /// The communicator's last error message (`ncclGetLastError`).
-    pub(crate) fn last_error(&self) -> String {
+    fn last_error(&self) -> String {
         // SAFETY: the communicator is live; the returned string is owned by NCCL.
         unsafe {
             let p = sys::ncclGetLastError(self.comm);
@@ -132,8 +192,37 @@ impl RawComm {
         }
     }
 
-    /// Enqueues `op` on elements of `dtype` on `stream` and returns at once; the caller waits
-    /// with [`RawComm::wait`] before anything reads or frees the buffers.
+    /// `code` with NCCL's words for it and for the communicator's last error.
+    fn failure(&self, code: sys::ncclResult_t) -> String {
+        let last = self.last_error();
+        if last.is_empty() {
+            error_string(code)
+        } else {
+            format!("{} ({last})", error_string(code))
+        }
+    }
+
+    /// Where the communicator stands (`ncclCommGetAsyncError`): a join or a collective still
+    /// being issued, ready, or failed (a peer's network error included).
+    pub(crate) fn state(&mut self) -> State {
+        if self.aborted {
+            return State::Failed("the communicator was aborted".into());
+        }
+        let mut state = sys::ncclResult_t::ncclSuccess;
+        // SAFETY: live communicator, valid out-pointer.
+        let code = unsafe { sys::ncclCommGetAsyncError(self.comm, &mut state) };
+        if code != sys::ncclResult_t::ncclSuccess {
+            return State::Failed(self.failure(code));
+        }
+        match state {
+            sys::ncclResult_t::ncclSuccess => State::Ready,
+            sys::ncclResult_t::ncclInProgress => State::InProgress,
+            other => State::Failed(self.failure(other)),
+        }
+    }
+
+    /// Enqueues `op` on elements of `dtype` on `stream`; returns at once (the call may still be
+    /// in progress: poll [`RawComm::state`] before waiting for the stream).
     pub(crate) fn enqueue(
         &mut self,
         op: RawOp,
@@ -147,40 +236,37 @@ impl RawComm {
         // SAFETY: see the module docs: the addresses and counts describe pinned, contiguous
         // buffers of `dtype` elements (the gather's `recv` of `world * count`), and `stream`
         // belongs to the context that owns them.
-        let result = unsafe {
+        let code = unsafe {
             match op {
                 RawOp::AllReduce {
                     send,
                     recv,
                     count,
                     op,
-                } => {
-                    let op = match op {
-                        RedOp::Sum => sys::ncclRedOp_t::ncclSum,
-                        RedOp::Avg => sys::ncclRedOp_t::ncclAvg,
-                        RedOp::Max => sys::ncclRedOp_t::ncclMax,
-                        RedOp::Min => sys::ncclRedOp_t::ncclMin,
-                    };
-                    nccl::all_reduce(
-                        send as *const c_void,
-                        recv as *mut c_void,
-                        count,
-                        dtype,
-                        op,
-                        self.comm,
-                        stream,
-                    )
-                }
-                RawOp::Broadcast { buf, count, root } => nccl::broadcast(
-                    buf as *const c_void,
-                    buf as *mut c_void,
+                } => sys::ncclAllReduce(
+                    send as *const c_void,
+                    recv as *mut c_void,
                     count,
                     dtype,
-                    root as i32,
+                    op.raw(),
                     self.comm,
                     stream,
                 ),
-                RawOp::AllGather { send, recv, count } => nccl::all_gather(
+                RawOp::Broadcast {
+                    send,
+                    recv,
+                    count,
+                    root,
+                } => sys::ncclBroadcast(
+                    send as *const c_void,
+                    recv as *mut c_void,
+                    count,
+                    dtype,
+                    root as c_int,
+                    self.comm,
+                    stream,
+                ),
+                RawOp::AllGather { send, recv, count } => sys::ncclAllGather(
                     send as *const c_void,
                     recv as *mut c_void,
                     count,
@@ -190,27 +276,9 @@ impl RawComm {
                 ),
             }
         };
-        result
-            .map(|_| ())
-            .map_err(|e| format!("{} ({})", error_string(e.0), self.last_error()))
-    }
-
-    /// Waits for `stream` at most `timeout` (polling it, so the wait is bounded even when a
-    /// peer never joins); on timeout the communicator is aborted.
-    pub(crate) fn wait(&mut self, stream: cu::CUstream, timeout: Duration) -> Result<(), String> {
-        let start = Instant::now();
-        loop {
-            // SAFETY: `stream` is a live stream of the current context.
-            match unsafe { cu::cuStreamQuery(stream) } {
-                cu::CUresult::CUDA_SUCCESS => return Ok(()),
-                cu::CUresult::CUDA_ERROR_NOT_READY => {}
-                other => return Err(format!("waiting for the NCCL stream: {other:?}")),
-            }
-            if start.elapsed() >= timeout {
-                self.abort();
-                return Err(format!("timed out after {timeout:?}"));
-            }
-            std::thread::sleep(Duration::from_micros(20));
+        match code {
+            sys::ncclResult_t::ncclSuccess | sys::ncclResult_t::ncclInProgress => Ok(()),
+            other => Err(self.failure(other)),
         }
     }
 
@@ -219,16 +287,116 @@ impl RawComm {
         if !self.aborted {
             self.aborted = true;
             // SAFETY: the communicator is live and never used after this.
-            let _ = unsafe { nccl::comm_abort(self.comm) };
+            let _ = unsafe { sys::ncclCommAbort(self.comm) };
+        }
+    }
+
+    /// Starts `ncclCommFinalize` (flushes what was issued, without blocking): poll
+    /// [`RawComm::state`], then drop.
+    pub(crate) fn start_finalize(&mut self) -> Result<(), String> {
+        if self.aborted {
+            return Err("aborted".into());
+        }
+        // SAFETY: live communicator.
+        match unsafe { sys::ncclCommFinalize(self.comm) } {
+            sys::ncclResult_t::ncclSuccess | sys::ncclResult_t::ncclInProgress => Ok(()),
+            other => Err(self.failure(other)),
         }
     }
 }
 
 impl Drop for RawComm {
+    /// Destroys a communicator that is still healthy (its owner finalized it first), aborts
+    /// any other: either way its resources go, exactly once.
     fn drop(&mut self) {
-        if !self.aborted {
-            // SAFETY: the communicator is live and dropped exactly once.
-            let _ = unsafe { nccl::comm_destroy(self.comm) };
+        if self.aborted {
+            return;
         }
+        if self.state() == State::Ready {
+            // SAFETY: the communicator is live and dropped exactly once.
+            let _ = unsafe { sys::ncclCommDestroy(self.comm) };
+        } else {
+            self.abort();
+        }
+    }
+}
+
+/// Whether `stream` finished its work: `Ok(true)` done, `Ok(false)` still running.
+pub(crate) fn stream_finished(stream: cu::CUstream) -> Result<bool, String> {
+    // SAFETY: `stream` is a live stream of the context bound to this thread.
+    match unsafe { cu::cuStreamQuery(stream) } {
+        cu::CUresult::CUDA_SUCCESS => Ok(true),
+        cu::CUresult::CUDA_ERROR_NOT_READY => Ok(false),
+        other => Err(format!("cuStreamQuery on the NCCL stream: {other:?}")),
+    }
+}
+
+impl DType {
+    fn raw(self) -> sys::ncclDataType_t {
+        match self {
+            DType::F64 => sys::ncclDataType_t::ncclFloat64,
+            DType::F32 => sys::ncclDataType_t::ncclFloat32,
+            DType::F16 => sys::ncclDataType_t::ncclFloat16,
+            DType::BF16 => sys::ncclDataType_t::ncclBfloat16,
+        }
+    }
+}
+
+impl RedOp {
+    fn raw(self) -> sys::ncclRedOp_t {
+        match self {
+            RedOp::Sum => sys::ncclRedOp_t::ncclSum,
+            RedOp::Avg => sys::ncclRedOp_t::ncclAvg,
+            RedOp::Max => sys::ncclRedOp_t::ncclMax,
+            RedOp::Min => sys::ncclRedOp_t::ncclMin,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The table maps every type and reduction to NCCL's own enumerators (their values are
+    /// NCCL's ABI: nccl.h's ncclDataType_t and ncclRedOp_t).
+    #[test]
+    fn types_and_reductions_are_nccls() {
+        let types = [
+            (DType::F64, sys::ncclDataType_t::ncclFloat64, 8),
+            (DType::F32, sys::ncclDataType_t::ncclFloat32, 7),
+            (DType::F16, sys::ncclDataType_t::ncclFloat16, 6),
+            (DType::BF16, sys::ncclDataType_t::ncclBfloat16, 9),
+        ];
+        for (ours, theirs, abi) in types {
+            assert_eq!(ours.raw(), theirs);
+            assert_eq!(ours.raw() as i32, abi, "{ours:?}");
+        }
+        let ops = [
+            (RedOp::Sum, 0),
+            (RedOp::Max, 2),
+            (RedOp::Min, 3),
+            (RedOp::Avg, 4),
+        ];
+        for (ours, abi) in ops {
+            assert_eq!(ours.raw() as i32, abi, "{ours:?}");
+        }
+    }
+
+    /// The config NCCL is given is the 2.17 prefix of `ncclConfig_t` as NCCL_CONFIG_INITIALIZER
+    /// fills it, but non-blocking.
+    #[test]
+    fn the_config_is_ncclconfig_initializer_non_blocking() {
+        let c = ConfigV2_17::non_blocking();
+        assert_eq!(
+            c.size, 48,
+            "size, magic, version, 4 ints, a pointer and an int, padded"
+        );
+        assert_eq!((c.magic, c.version), (0xcafe_beef, 21_700));
+        assert_eq!(c.blocking, 0);
+        assert_eq!(
+            [c.cga_cluster_size, c.min_ctas, c.max_ctas, c.split_share],
+            [i32::MIN; 4]
+        );
+        assert!(c.net_name.is_null());
     }
 }

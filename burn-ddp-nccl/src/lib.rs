@@ -6,15 +6,22 @@
 //! - [`library`]: finds libcuda and libnccl before anything loads them (cudarc's loader panics
 //!   on a missing library); a missing library is an [`NcclError`] saying what was looked for and
 //!   how to fix it. Always compiled.
-//! - With the `cuda` feature: [`NcclComm`], one communicator per process group on the rank's
-//!   GPU, joined with the 128-byte id rank 0 creates ([`unique_id`]) and passes through
-//!   burn-ddp's store. All-reduce, broadcast and all-gather start on the calling thread and
-//!   finish in [`Pending::wait`] on any thread; their `unsafe` calls live in one module with
-//!   their safety argument.
+//! - With the `cuda` feature: [`NcclComm`], one non-blocking communicator per process group on
+//!   the GPU of the rank's tensors ([`cuda_ordinal`]), joined with the 128-byte id rank 0
+//!   creates ([`unique_id`]) and passes to the others (burn-ddp sends it over the group's own
+//!   transport). All-reduce, broadcast and all-gather start on the calling thread and finish in
+//!   [`Pending::wait`] on any thread, bounded by a timeout, an abort from another thread, NCCL's
+//!   asynchronous errors and a watch the caller gives. The `cuda` feature turns on burn's kernel
+//!   fusion, so that the CUDA backend is one type in every user's build (see `comm.rs`).
+//!
+//! Every `unsafe` call lives in one module (`ffi.rs`) with its safety argument; the crate
+//! denies `unsafe_code` everywhere else.
 //!
 //! burn-ddp's `nccl` feature makes its process group use it for tensors on CUDA devices (so
 //! `DdpLearner`'s buckets travel by NCCL). Status: built and tested without a GPU (library
-//! finder, NCCL id); it has not yet run on a GPU.
+//! finder, NCCL id, device and type tables, waits); it has not yet run on a GPU.
+
+#![deny(unsafe_code)]
 
 mod error;
 pub mod library;
@@ -22,8 +29,17 @@ pub mod library;
 #[cfg(feature = "cuda")]
 mod comm;
 #[cfg(feature = "cuda")]
+#[allow(unsafe_code)]
 mod ffi;
+#[cfg(feature = "cuda")]
+mod tables;
+#[cfg(feature = "cuda")]
+mod waiting;
 
 #[cfg(feature = "cuda")]
-pub use comm::{NcclComm, Pending, ReduceOp, check_libraries, is_cuda, unique_id};
+pub use comm::{NcclComm, Pending, ReduceOp, check_libraries, unique_id};
 pub use error::NcclError;
+#[cfg(feature = "cuda")]
+pub use tables::cuda_ordinal;
+#[cfg(feature = "cuda")]
+pub use waiting::WATCH_INTERVAL;

@@ -29,7 +29,7 @@ mod cuda {
                 "{msg}"
             );
             // Joining a communicator without the libraries is the same error, not a panic.
-            let joined = NcclComm::new(0, 1, 0, &[0; 128], Duration::from_secs(1));
+            let joined = NcclComm::new(0, 1, 0, &[0; 128], Duration::from_secs(1), &mut || None);
             assert!(matches!(joined, Err(NcclError::MissingLibrary { .. })));
         }
     }
@@ -48,19 +48,23 @@ mod cuda {
         }
     }
 
-    /// World size 1 on GPU 0: gathered out of place into a fresh buffer (the output equals
-    /// the input only if NCCL read the input's memory and wrote the output's), then reduced
-    /// and broadcast in place, each started on this thread and finished on another.
+    /// World size 1 on GPU 0: every collective writes a fresh buffer (the output equals the
+    /// input only if NCCL read the input's memory and wrote the output's), started on this
+    /// thread and finished on another; the input is left as it was (a clone shares its buffer).
     #[test]
     fn world_of_one_collectives_on_the_gpu() {
         if !libraries_or_skip("world_of_one_collectives_on_the_gpu") {
             return;
         }
         let id = unique_id(0).unwrap();
-        let comm = NcclComm::new(0, 1, 0, &id, Duration::from_secs(60)).unwrap();
+        let comm = NcclComm::new(0, 1, 0, &id, Duration::from_secs(60), &mut || None).unwrap();
         let device = Device::cuda(0);
         let host = |t: Tensor<1>| t.into_data().convert::<f32>().try_to_vec::<f32>().unwrap();
-        for dtype in [DType::F32, DType::F16, DType::BF16] {
+        let mut dtypes = vec![DType::F32, DType::F16, DType::BF16];
+        if device.supports_dtype(DType::F64) {
+            dtypes.push(DType::F64);
+        }
+        for dtype in dtypes {
             for n in [1usize, 7, 1_000_003] {
                 let values: Vec<f32> = (0..n).map(|i| (i % 97) as f32 - 48.0).collect();
                 let input = Tensor::<1>::from_data(
@@ -68,12 +72,25 @@ mod cuda {
                     &device,
                 );
                 let gathered = comm.start_all_gather(input.clone()).unwrap();
-                let out = std::thread::spawn(move || gathered.wait()).join().unwrap();
+                let out = std::thread::spawn(move || gathered.wait(&mut || None))
+                    .join()
+                    .unwrap();
                 assert_eq!(host(out.unwrap()), values, "{dtype:?} n = {n}, gathered");
-                let again = comm.all_reduce(input.clone(), ReduceOp::Avg).unwrap();
-                assert_eq!(host(again), values, "{dtype:?} n = {n}, reduced in place");
-                let sent = comm.start_broadcast(input, 0).unwrap().wait().unwrap();
-                assert_eq!(host(sent), values, "{dtype:?} n = {n}, broadcast");
+                for op in [ReduceOp::Sum, ReduceOp::Avg, ReduceOp::Max, ReduceOp::Min] {
+                    let again = comm.all_reduce(input.clone(), op).unwrap();
+                    assert_eq!(host(again), values, "{dtype:?} n = {n}, {op:?}");
+                }
+                let sent = comm.start_broadcast(input.clone(), 0).unwrap();
+                assert_eq!(
+                    host(sent.wait(&mut || None).unwrap()),
+                    values,
+                    "{dtype:?} broadcast"
+                );
+                assert_eq!(
+                    host(input),
+                    values,
+                    "{dtype:?} n = {n}, the input is untouched"
+                );
                 println!("NCCL world 1 all_gather, all_reduce, broadcast {dtype:?} n={n}: ok");
             }
         }

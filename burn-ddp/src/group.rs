@@ -25,6 +25,8 @@ mod worker;
 
 pub use builder::{GroupOptions, ProcessGroupBuilder};
 pub use init::{init_process_group, init_process_group_with};
+#[cfg(feature = "nccl")]
+pub(crate) use worker::Elsewhere;
 use worker::Job;
 pub(crate) use worker::Worker;
 

@@ -20,6 +20,30 @@ use crate::store::Store;
 /// An operation queued for the collective thread.
 pub(super) type Job = Box<dyn FnOnce(&mut Worker) + Send>;
 
+/// What a wait outside the transport learned of the group (see [`Worker::failure_elsewhere`]).
+#[cfg(feature = "nccl")]
+pub(crate) enum Elsewhere {
+    /// A peer's connection closed without a goodbye.
+    Peer {
+        /// The peer.
+        culprit: usize,
+        /// What happened, naming it.
+        detail: String,
+    },
+    /// A rank recorded the group's failure: its cause.
+    Recorded(String),
+}
+
+#[cfg(feature = "nccl")]
+impl std::fmt::Display for Elsewhere {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Elsewhere::Peer { detail, .. } => f.write_str(detail),
+            Elsewhere::Recorded(cause) => write!(f, "the group failed: {cause}"),
+        }
+    }
+}
+
 /// The collective thread's state: the transport and what the group agreed went wrong.
 pub(crate) struct Worker {
     rank: usize,
@@ -59,6 +83,11 @@ impl Worker {
         Ok((jobs, handle))
     }
 
+    /// This rank.
+    pub(crate) fn rank(&self) -> usize {
+        self.rank
+    }
+
     /// Runs one transport operation; its failure becomes the group's error.
     pub(crate) fn run<T>(
         &mut self,
@@ -90,6 +119,11 @@ impl Worker {
             detail,
             op,
         } = failure;
+        self.peer_failed(culprit, detail, op.to_string())
+    }
+
+    /// Peer `culprit` failed (`detail`) during `op`: as [`Worker::fail`].
+    fn peer_failed(&mut self, culprit: usize, detail: String, op: String) -> DdpError {
         let record = FailureRecord {
             culprit: Some(culprit),
             cause: format!("{detail}; seen by rank {} in {op}", self.rank),
@@ -101,7 +135,34 @@ impl Worker {
                 if culprit == 0 { "" } else { " as well" }
             )
         });
-        self.collective_error(op.to_string(), cause)
+        self.collective_error(op, cause)
+    }
+
+    /// For a wait outside the transport (NCCL's), asked while it waits: a peer whose connection
+    /// closed without a goodbye, or a failure another rank recorded.
+    #[cfg(feature = "nccl")]
+    pub(crate) fn failure_elsewhere(&self) -> Option<Elsewhere> {
+        if let Some((culprit, detail)) = self.transport.dead_peer() {
+            return Some(Elsewhere::Peer { culprit, detail });
+        }
+        FailureRecord::read(&self.store).map(|r| Elsewhere::Recorded(r.cause))
+    }
+
+    /// The group's error for `op`, stopped by what [`Worker::failure_elsewhere`] found: a dead
+    /// peer is recorded as the culprit (unless a failure was recorded first), a recorded
+    /// failure is the cause.
+    #[cfg(feature = "nccl")]
+    pub(crate) fn failed_elsewhere(&mut self, op: String, found: Elsewhere) -> DdpError {
+        match found {
+            Elsewhere::Peer { culprit, detail } => self.peer_failed(culprit, detail, op),
+            Elsewhere::Recorded(cause) => {
+                let cause = self.abort(FailureRecord {
+                    culprit: None,
+                    cause,
+                });
+                self.collective_error(op, cause)
+            }
+        }
     }
 
     /// Stops the group for a failure of this rank's own part of `op` (reading a tensor back

@@ -153,8 +153,9 @@ impl Select {
     }
 }
 
-/// The selected float tensors of a module, flattened in visit order, as `f32` on the device
-/// they live on.
+/// The selected float tensors of a module, flattened in visit order on the device they live on,
+/// in one element type that holds each of them exactly: `f64` when any is `f64`, else `f32`
+/// (which holds `f16` and `bf16` exactly).
 pub(crate) struct Flatten {
     select: Select,
     parts: Vec<Tensor<1>>,
@@ -168,7 +169,23 @@ impl Flatten {
             parts: Vec::new(),
         };
         module.visit(&mut flatten);
-        (!flatten.parts.is_empty()).then(|| Tensor::cat(flatten.parts, 0))
+        let carrier = if flatten.parts.iter().any(|t| t.dtype() == DType::F64) {
+            DType::F64
+        } else {
+            DType::F32
+        };
+        let parts: Vec<Tensor<1>> = flatten
+            .parts
+            .into_iter()
+            .map(|t| {
+                if t.dtype() == carrier {
+                    t
+                } else {
+                    t.cast(carrier)
+                }
+            })
+            .collect();
+        (!parts.is_empty()).then(|| Tensor::cat(parts, 0))
     }
 }
 
@@ -179,7 +196,7 @@ impl ModuleVisitor for Flatten {
         }
         let t = param.val().inner();
         let n = t.shape().num_elements();
-        self.parts.push(t.reshape([n]).cast(DType::F32));
+        self.parts.push(t.reshape([n]));
     }
 }
 

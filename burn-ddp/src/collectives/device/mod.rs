@@ -24,89 +24,152 @@ use super::buffer::{Broadcastable, Gatherable, Reducible, sealed};
 use super::{ReduceOp, Work};
 use crate::ProcessGroup;
 use crate::error::{DdpError, Result};
+use crate::group::Worker;
+use crate::wire::{Reader, Writer};
+
+/// The kinds of device a rank's tensors can be on, as far as the choice of transport goes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Kind {
+    /// A CUDA GPU (with the `nccl` feature): NCCL.
+    Cuda,
+    /// Any other device (or CUDA without the `nccl` feature): host staging.
+    Host,
+}
+
+impl Kind {
+    /// The kind of `device`, decided from the device value alone (no driver is touched): a
+    /// CUDA device is one whose CubeCL device says CUDA, not every CubeCL device (wgpu shares
+    /// CubeCL's backend type).
+    fn of(device: &Device) -> Kind {
+        #[cfg(feature = "nccl")]
+        if burn_ddp_nccl::cuda_ordinal(device).is_some() {
+            return Kind::Cuda;
+        }
+        let _ = device;
+        Kind::Host
+    }
+
+    fn name(self) -> &'static str {
+        match self {
+            Kind::Cuda => "cuda",
+            Kind::Host => "host",
+        }
+    }
+
+    fn code(self) -> u8 {
+        match self {
+            Kind::Cuda => 1,
+            Kind::Host => 2,
+        }
+    }
+}
 
 /// How tensors of one device kind travel.
 #[derive(Clone)]
-enum Backend {
-    /// Device -> host -> TCP ring -> device.
+enum Route {
+    /// Device -> host -> TCP ring or shared memory -> device.
     Staged,
     /// NCCL on the device buffers.
     #[cfg(feature = "nccl")]
     Nccl(burn_ddp_nccl::NcclComm),
 }
 
-impl Backend {
+impl Route {
     fn name(&self) -> &'static str {
         match self {
-            Backend::Staged => "host-staged TCP",
+            Route::Staged => "host staging (TCP or shared memory)",
             #[cfg(feature = "nccl")]
-            Backend::Nccl(_) => "NCCL",
+            Route::Nccl(_) => "NCCL",
         }
     }
 }
 
-/// The backends chosen so far, by device (a process group's per-device state).
+/// The routes chosen so far, one per device kind (a process group's per-device state).
 #[derive(Default)]
 pub(crate) struct DeviceBackends {
-    chosen: Mutex<Vec<(Device, Backend)>>,
+    chosen: Mutex<Vec<(Kind, Route)>>,
+    /// Held while a route is agreed and joined, so that two threads do not join twice; not
+    /// `chosen`'s lock, so an abort never waits for a join.
+    joining: Mutex<()>,
 }
 
 impl DeviceBackends {
-    /// Aborts every device communicator (after the group failed), so no collective waits for
-    /// ranks that will not come.
+    /// Aborts every device communicator (after the group failed): a collective waiting on one
+    /// ends within a poll, and none waits for ranks that will not come.
     pub(crate) fn abort(&self) {
         #[cfg(feature = "nccl")]
-        for (_, backend) in self.chosen.lock().unwrap_or_else(|p| p.into_inner()).iter() {
-            if let Backend::Nccl(comm) = backend {
+        for (_, route) in self.chosen.lock().unwrap_or_else(|p| p.into_inner()).iter() {
+            if let Route::Nccl(comm) = route {
                 comm.abort();
             }
         }
     }
-}
 
-/// The kind of `device` as this rank chooses its backend: `"cuda"` or `"staged"`.
-fn kind_of(device: &Device) -> &'static str {
-    #[cfg(feature = "nccl")]
-    if burn_ddp_nccl::is_cuda(device) {
-        return "cuda";
+    fn get(&self, kind: Kind) -> Option<Route> {
+        self.chosen
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .iter()
+            .find(|(k, _)| *k == kind)
+            .map(|(_, r)| r.clone())
     }
-    let _ = device;
-    "staged"
 }
 
-/// The backend for tensors on `device`, chosen (with the other ranks) on first use.
-fn backend(group: &ProcessGroup, device: &Device) -> Result<Backend> {
+/// The route of tensors on `device`, agreed with the other ranks on first use of its kind.
+fn route(group: &ProcessGroup, device: &Device) -> Result<Route> {
+    let kind = Kind::of(device);
     let backends = group.device_backends();
-    let mut chosen = backends.chosen.lock().unwrap_or_else(|p| p.into_inner());
-    if let Some((_, b)) = chosen.iter().find(|(d, _)| d == device) {
-        return Ok(b.clone());
+    if let Some(route) = backends.get(kind) {
+        return Ok(route);
     }
-    let kind = kind_of(device);
-    let kinds = group.all_gather(kind.as_bytes().to_vec()).wait()?;
-    if let Some((other, theirs)) = kinds
-        .iter()
-        .enumerate()
-        .find(|(_, k)| k.as_slice() != kind.as_bytes())
-    {
-        return Err(DdpError::Disagreement(format!(
-            "rank {} has its tensors on a device of kind \"{kind}\" ({device:?}) but rank {other} \
-             on one of kind \"{}\": every rank must train on the same kind of device",
-            group.rank(),
-            String::from_utf8_lossy(theirs)
-        )));
+    let _joining = backends.joining.lock().unwrap_or_else(|p| p.into_inner());
+    if let Some(route) = backends.get(kind) {
+        return Ok(route);
     }
-    let backend = match kind {
+    let described = format!("{device:?}");
+    group
+        .on_worker(move |w| agree(w, kind, &described))
+        .wait()?;
+    let route = match kind {
         #[cfg(feature = "nccl")]
-        "cuda" => Backend::Nccl(nccl::join(group)?),
-        _ => Backend::Staged,
+        Kind::Cuda => Route::Nccl(nccl::join(group, device)?),
+        _ => Route::Staged,
     };
     log::info!(
         "rank {}: collectives of tensors on {device:?} travel by {}",
         group.rank(),
-        backend.name()
+        route.name()
     );
-    chosen.push((device.clone(), backend.clone()));
-    Ok(backend)
+    backends
+        .chosen
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .push((kind, route.clone()));
+    Ok(route)
+}
+
+/// Every rank's kind of device, gathered (one small host gather): a rank on another kind than
+/// the others is an error that names it on every rank, not a hang between two transports.
+fn agree(w: &mut Worker, kind: Kind, device: &str) -> Result<()> {
+    let rank = w.rank();
+    let mine = Writer::default().u8(kind.code()).buf.clone();
+    let all = w.run(|t| t.all_gather(&mine))?;
+    for (other, theirs) in all.iter().enumerate() {
+        let code = Reader::new(theirs).u8().ok();
+        if code != Some(kind.code()) {
+            let theirs = [Kind::Cuda, Kind::Host]
+                .into_iter()
+                .find(|k| Some(k.code()) == code)
+                .map_or("unknown", Kind::name);
+            return Err(DdpError::Disagreement(format!(
+                "rank {rank} has its tensors on a device of kind \"{}\" ({device}) but rank \
+                 {other} on one of kind \"{theirs}\": every rank must train on the same kind \
+                 of device",
+                kind.name()
+            )));
+        }
+    }
+    Ok(())
 }
 
 impl sealed::Sealed for Tensor<1> {}
@@ -116,10 +179,10 @@ impl Reducible for Tensor<1> {
         if group.world_size() == 1 {
             return Work::done(group.rank(), Ok(self));
         }
-        match backend(group, &self.device()) {
-            Ok(Backend::Staged) => staged::all_reduce(group, self, op),
+        match route(group, &self.device()) {
+            Ok(Route::Staged) => staged::all_reduce(group, self, op),
             #[cfg(feature = "nccl")]
-            Ok(Backend::Nccl(comm)) => nccl::all_reduce(group, &comm, self, op),
+            Ok(Route::Nccl(comm)) => nccl::all_reduce(group, &comm, self, op),
             Err(e) => Work::done(group.rank(), Err(e)),
         }
     }
@@ -130,10 +193,10 @@ impl Broadcastable for Tensor<1> {
         if group.world_size() == 1 && root == 0 {
             return Work::done(group.rank(), Ok(self));
         }
-        match backend(group, &self.device()) {
-            Ok(Backend::Staged) => staged::broadcast(group, self, root),
+        match route(group, &self.device()) {
+            Ok(Route::Staged) => staged::broadcast(group, self, root),
             #[cfg(feature = "nccl")]
-            Ok(Backend::Nccl(comm)) => nccl::broadcast(group, &comm, self, root),
+            Ok(Route::Nccl(comm)) => nccl::broadcast(group, &comm, self, root),
             Err(e) => Work::done(group.rank(), Err(e)),
         }
     }
@@ -146,10 +209,10 @@ impl Gatherable for Tensor<1> {
         if group.world_size() == 1 {
             return Work::done(group.rank(), Ok(vec![self]));
         }
-        match backend(group, &self.device()) {
-            Ok(Backend::Staged) => staged::all_gather(group, self),
+        match route(group, &self.device()) {
+            Ok(Route::Staged) => staged::all_gather(group, self),
             #[cfg(feature = "nccl")]
-            Ok(Backend::Nccl(comm)) => nccl::all_gather(group, &comm, self),
+            Ok(Route::Nccl(comm)) => nccl::all_gather(group, &comm, self),
             Err(e) => Work::done(group.rank(), Err(e)),
         }
     }

@@ -1,59 +1,104 @@
-//! NCCL for tensors on CUDA devices: the communicator joined through the group's store, and
-//! collectives that start on the caller's thread (a fence on its CubeCL stream after the kernels
-//! that produced the tensor) and finish on the group's collective thread (NCCL on its own stream,
-//! waited for within the group's timeout). A failure stops the group: the communicator is
-//! aborted, the cause recorded in the store, and every rank's next collective fails with it.
+//! NCCL for tensors on CUDA devices: the communicator joined on the GPU of the rank's tensors,
+//! and collectives that start on the caller's thread (a fence on its CubeCL stream after the
+//! kernels that produced the tensor) and finish on the group's collective thread (NCCL on its
+//! own stream).
+//!
+//! Every wait there, the join included, watches the group while it polls NCCL: a peer whose
+//! connection to this rank closed without a goodbye (it died) or a failure another rank
+//! recorded ends it within [`burn_ddp_nccl::WATCH_INTERVAL`], and the communicator is aborted.
+//! A failure of this rank's own (NCCL's error, the timeout) is recorded in the store, so the
+//! peers' waits end the same way instead of sitting out their timeouts.
+//!
+//! The NCCL id travels from rank 0 over the group's own transport (a host broadcast), not
+//! through a store key: each communicator's id is scoped to the group and to the moment it is
+//! joined, so no rank can read a stale id of an earlier communicator or group.
 
-use burn::tensor::Tensor;
+use burn::tensor::{Device, Tensor};
 use burn_ddp_nccl::{NcclComm, NcclError, Pending};
 
 use super::invalid;
 use crate::collectives::{ReduceOp, Work};
 use crate::error::{DdpError, Result};
-use crate::group::{ProcessGroup, Worker};
+use crate::group::{Elsewhere, ProcessGroup, Worker};
+use crate::wire::{Reader, Writer};
 
-/// The store key of the NCCL id (under the group's prefix for this attempt).
-const ID_KEY: &str = "bddp/nccl/id";
-
-/// Joins the group's NCCL communicator on GPU `local_rank`: rank 0 creates the id and puts it in
-/// the store, the others read it.
-pub(super) fn join(group: &ProcessGroup) -> Result<NcclComm> {
-    let rank = group.rank();
-    let failed = |what: &'static str| {
-        move |e: NcclError| DdpError::Rendezvous {
-            rank,
-            reason: format!("{what}: {e}"),
-        }
-    };
-    let id: [u8; 128] = if rank == 0 {
-        let id = burn_ddp_nccl::unique_id(0).map_err(failed("creating the NCCL id"))?;
-        group.store().set(ID_KEY, &id)?;
-        id
-    } else {
-        let bytes = group.store().get(ID_KEY)?;
-        bytes
-            .as_slice()
-            .try_into()
-            .map_err(|_| DdpError::Rendezvous {
-                rank,
-                reason: format!(
-                    "the NCCL id in the store has {} bytes, not 128",
-                    bytes.len()
-                ),
-            })?
-    };
-    let comm = NcclComm::new(
-        rank,
-        group.world_size(),
-        group.local_rank(),
-        &id,
-        group.options().timeout,
-    )
-    .map_err(failed("joining the NCCL communicator"))?;
-    Ok(comm)
+/// Joins the group's NCCL communicator on the GPU of `device`.
+pub(super) fn join(group: &ProcessGroup, device: &Device) -> Result<NcclComm> {
+    let gpu = burn_ddp_nccl::cuda_ordinal(device)
+        .ok_or_else(|| DdpError::Disagreement(format!("{device:?} is not a CUDA device")))?;
+    let (world, timeout) = (group.world_size(), group.options().timeout);
+    group
+        .on_worker(move |w| {
+            let id = exchange_id(w)?;
+            let rank = w.rank();
+            let op = format!("joining the NCCL communicator on GPU {gpu}");
+            let mut found = None;
+            let joined =
+                NcclComm::new(rank, world, gpu, &id, timeout, &mut || watch(w, &mut found));
+            joined.map_err(|e| failed(w, op, e, found))
+        })
+        .wait()
 }
 
-/// Starts an all-reduce in place.
+/// Rank 0's NCCL id on every rank, sent over the group's transport. Rank 0 sends its failure to
+/// create one instead, so that every rank reports it rather than waiting for an id.
+fn exchange_id(w: &mut Worker) -> Result<[u8; 128]> {
+    let rank = w.rank();
+    let mut message = if rank == 0 {
+        match burn_ddp_nccl::unique_id(0) {
+            Ok(id) => Writer::default().u8(1).bytes(&id).buf.clone(),
+            Err(e) => Writer::default()
+                .u8(0)
+                .bytes(e.to_string().as_bytes())
+                .buf
+                .clone(),
+        }
+    } else {
+        Vec::new()
+    };
+    // Every rank must give the broadcast the same length: rank 0's, agreed first.
+    let mut len = (message.len() as u64).to_le_bytes();
+    w.run(|t| t.broadcast(&mut len, 0))?;
+    message.resize(u64::from_le_bytes(len) as usize, 0);
+    w.run(|t| t.broadcast(&mut message, 0))?;
+    decode_id(&message).map_err(|reason| DdpError::Rendezvous { rank, reason })
+}
+
+/// The id in rank 0's message, or what rank 0 said went wrong.
+fn decode_id(message: &[u8]) -> std::result::Result<[u8; 128], String> {
+    let mut r = Reader::new(message);
+    let malformed = |_| "rank 0 sent a malformed NCCL id message".to_string();
+    let ok = r.u8().map_err(malformed)?;
+    let body = r.bytes().map_err(malformed)?;
+    match ok {
+        1 => body
+            .try_into()
+            .map_err(|_| format!("rank 0 sent an NCCL id of {} bytes, not 128", body.len())),
+        _ => Err(format!(
+            "rank 0 could not create the NCCL id: {}",
+            String::from_utf8_lossy(body)
+        )),
+    }
+}
+
+/// The watch of a wait: what [`Worker::failure_elsewhere`] finds, kept in `found` for the error.
+fn watch(w: &Worker, found: &mut Option<Elsewhere>) -> Option<String> {
+    let elsewhere = w.failure_elsewhere()?;
+    let reason = elsewhere.to_string();
+    *found = Some(elsewhere);
+    Some(reason)
+}
+
+/// The group's error for `op` that failed with `e`: a failure found elsewhere names its cause;
+/// this rank's own is recorded, so the peers stop too.
+fn failed(w: &mut Worker, op: String, e: NcclError, found: Option<Elsewhere>) -> DdpError {
+    match found {
+        Some(elsewhere) => w.failed_elsewhere(op, elsewhere),
+        None => w.fail_here(op, e.to_string()),
+    }
+}
+
+/// Starts an all-reduce.
 pub(super) fn all_reduce(
     group: &ProcessGroup,
     comm: &NcclComm,
@@ -66,65 +111,125 @@ pub(super) fn all_reduce(
         ReduceOp::Max => burn_ddp_nccl::ReduceOp::Max,
         ReduceOp::Min => burn_ddp_nccl::ReduceOp::Min,
     };
-    finish(group, "all_reduce", comm.start_all_reduce(tensor, op))
+    let started = comm.start_all_reduce(tensor, op);
+    group.on_worker(move |w| wait(w, "NCCL all_reduce", started))
 }
 
-/// Starts a broadcast from `root` in place.
+/// Starts a broadcast from `root`.
 pub(super) fn broadcast(
     group: &ProcessGroup,
     comm: &NcclComm,
     tensor: Tensor<1>,
     root: usize,
 ) -> Work<Tensor<1>> {
-    finish(group, "broadcast", comm.start_broadcast(tensor, root))
+    let started = comm.start_broadcast(tensor, root);
+    group.on_worker(move |w| wait(w, "NCCL broadcast", started))
 }
 
-/// Starts an all-gather; every rank's length is checked first (through the TCP transport, in
-/// the same job) so that NCCL never reads past a shorter rank's buffer.
+/// Starts an all-gather; every rank's length and element type are compared first (through the
+/// host transport, in the same job), so that NCCL never reads past a shorter rank's buffer nor
+/// mixes types.
 pub(super) fn all_gather(
     group: &ProcessGroup,
     comm: &NcclComm,
     tensor: Tensor<1>,
 ) -> Work<Vec<Tensor<1>>> {
-    let (rank, world) = (group.rank(), group.world_size());
+    let world = group.world_size();
     let n = tensor.shape().num_elements();
+    let shape = gather_shape(n, tensor.dtype());
     let started = comm.start_all_gather(tensor);
     group.on_worker(move |w| {
-        let lengths = w.run(|t| t.all_gather(&(n as u64).to_le_bytes()))?;
-        if let Some(other) = lengths
-            .iter()
-            .position(|l| l[..] != (n as u64).to_le_bytes())
-        {
-            let reason = format!(
-                "rank {rank} gathers {n} elements but rank {other} another length: tensors \
-                 gathered must have the same length on every rank"
-            );
+        let rank = w.rank();
+        let all = w.run(|t| t.all_gather(shape.as_bytes()))?;
+        if let Some(reason) = shape_mismatch(rank, &shape, &all) {
             return Err(invalid(rank, "all_gather", reason));
         }
-        let all = wait(w, "all_gather", started)?;
+        let all = wait(w, "NCCL all_gather", started)?;
         Ok((0..world)
             .map(|r| all.clone().narrow(0, r * n, n))
             .collect())
     })
 }
 
-/// Queues the NCCL half of a started collective on the collective thread.
-fn finish(
-    group: &ProcessGroup,
-    op: &'static str,
-    started: std::result::Result<Pending, NcclError>,
-) -> Work<Tensor<1>> {
-    group.on_worker(move |w| wait(w, op, started))
+/// What every rank's all-gather input must share, in words: its length and element type.
+fn gather_shape(n: usize, dtype: burn::tensor::DType) -> String {
+    format!("{n} x {dtype:?}")
 }
 
-/// Waits for a started collective; a failure (NCCL's error, or its timeout, after which the
-/// communicator is aborted) stops the group on every rank.
+/// The first rank whose gathered shape differs from this rank's, in words.
+fn shape_mismatch(rank: usize, mine: &str, all: &[Vec<u8>]) -> Option<String> {
+    let (other, theirs) = all
+        .iter()
+        .enumerate()
+        .find(|(_, s)| s.as_slice() != mine.as_bytes())?;
+    Some(format!(
+        "rank {rank} gathers {mine} but rank {other} {}: tensors gathered must have the same \
+         length and element type on every rank",
+        String::from_utf8_lossy(theirs)
+    ))
+}
+
+/// Waits for a started collective, watching the group; a failure stops the group on every rank.
 fn wait(
     w: &mut Worker,
     op: &'static str,
     started: std::result::Result<Pending, NcclError>,
 ) -> Result<Tensor<1>> {
-    started
-        .and_then(Pending::wait)
-        .map_err(|e| w.fail_here(format!("NCCL {op}"), e.to_string()))
+    let mut found = None;
+    let done = started.and_then(|pending| pending.wait(&mut || watch(w, &mut found)));
+    done.map_err(|e| failed(w, op.to_string(), e, found))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use burn::tensor::DType;
+
+    #[test]
+    fn the_id_or_rank_0s_failure_reaches_every_rank() {
+        let id: [u8; 128] = std::array::from_fn(|i| i as u8);
+        let sent = Writer::default().u8(1).bytes(&id).buf.clone();
+        assert_eq!(decode_id(&sent), Ok(id));
+        let failed = Writer::default()
+            .u8(0)
+            .bytes(b"libnccl not found (looked for ...)")
+            .buf
+            .clone();
+        assert_eq!(
+            decode_id(&failed),
+            Err("rank 0 could not create the NCCL id: libnccl not found (looked for ...)".into())
+        );
+        let short = Writer::default().u8(1).bytes(&id[..100]).buf.clone();
+        assert_eq!(
+            decode_id(&short),
+            Err("rank 0 sent an NCCL id of 100 bytes, not 128".into())
+        );
+        assert!(decode_id(&[1, 200]).unwrap_err().contains("malformed"));
+    }
+
+    #[test]
+    fn gathers_compare_length_and_type() {
+        let mine = gather_shape(10, DType::BF16);
+        let same = vec![mine.clone().into_bytes(); 3];
+        assert_eq!(shape_mismatch(0, &mine, &same), None);
+        // Same bytes, other type: 10 bf16 against 5 f32.
+        let other = vec![
+            mine.clone().into_bytes(),
+            gather_shape(5, DType::F32).into_bytes(),
+        ];
+        assert_eq!(
+            shape_mismatch(0, &mine, &other).unwrap(),
+            "rank 0 gathers 10 x BF16 but rank 1 5 x F32: tensors gathered must have the same \
+             length and element type on every rank"
+        );
+        let typed = vec![
+            gather_shape(10, DType::F16).into_bytes(),
+            mine.clone().into_bytes(),
+        ];
+        assert!(
+            shape_mismatch(1, &mine, &typed)
+                .unwrap()
+                .contains("rank 0 10 x F16")
+        );
+    }
 }

@@ -337,6 +337,24 @@ impl Engine {
         })
     }
 
+    /// The first peer whose connection closed without a goodbye (its process died, its host
+    /// is gone), for waits that run outside this transport (NCCL's). Only looks: data and
+    /// goodbyes stay in the socket for the operations that read them, so a peer that ran ahead
+    /// or left cleanly is not taken for dead.
+    #[cfg(feature = "nccl")]
+    pub(super) fn dead_peer(&self) -> Option<(usize, String)> {
+        self.peers.iter().enumerate().find_map(|(peer, p)| {
+            let p = p.as_ref().filter(|p| !p.departed)?;
+            let mut byte = [0u8; 1];
+            match p.stream.peek(&mut byte) {
+                Ok(0) => Some((peer, closed_message(peer))),
+                Ok(_) => None,
+                Err(e) if is_would_block(&e) || e.kind() == io::ErrorKind::Interrupted => None,
+                Err(e) => Some((peer, connection_failed(peer, &e).detail)),
+            }
+        })
+    }
+
     /// Closes every connection at once, so the peers notice this rank stopped.
     pub(super) fn close(&mut self) {
         for p in self.peers.iter().flatten() {

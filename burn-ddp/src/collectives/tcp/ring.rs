@@ -341,6 +341,12 @@ impl TcpTransport {
         }
     }
 
+    /// The first peer whose connection closed without a goodbye: `(rank, what happened)`.
+    #[cfg(feature = "nccl")]
+    pub(crate) fn dead_peer(&self) -> Option<(usize, String)> {
+        self.engine.dead_peer()
+    }
+
     /// Publishes that this rank runs no collective.
     pub(crate) fn clear_status(&self) {
         self.status.update(|s| s.collective = None);

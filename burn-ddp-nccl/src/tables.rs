@@ -1,0 +1,109 @@
+//! The decisions of the NCCL backend that need no GPU, kept apart so that they are tested
+//! everywhere: which burn devices are CUDA GPUs (and which GPU), which element types and
+//! reductions NCCL takes, and the advice added to NCCL's errors.
+
+use burn::backend::DispatchDevice;
+use burn::tensor::{DType as BurnDType, Device};
+use burn_cubecl::CubeDevice;
+
+/// The element types NCCL moves here.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum DType {
+    F64,
+    F32,
+    F16,
+    BF16,
+}
+
+impl DType {
+    /// NCCL's type for burn's, if NCCL reduces it here.
+    pub(crate) fn of(dtype: BurnDType) -> Option<DType> {
+        match dtype {
+            BurnDType::F64 => Some(DType::F64),
+            BurnDType::F32 => Some(DType::F32),
+            BurnDType::F16 => Some(DType::F16),
+            BurnDType::BF16 => Some(DType::BF16),
+            _ => None,
+        }
+    }
+}
+
+/// The reductions NCCL performs here.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum RedOp {
+    Sum,
+    Avg,
+    Max,
+    Min,
+}
+
+/// The CUDA GPU (its ordinal among the GPUs this process sees) that `device` names, or `None`
+/// for any other device: the CPU, wgpu (which shares CubeCL's backend type with CUDA but not
+/// its devices), ROCm... Decided from the device value alone: no driver is loaded, no GPU
+/// touched, so it answers the same on a machine without CUDA.
+pub fn cuda_ordinal(device: &Device) -> Option<usize> {
+    match device.clone().inner().as_dispatch() {
+        DispatchDevice::Cube(CubeDevice::Cuda(gpu)) => Some(gpu.index),
+        _ => None,
+    }
+}
+
+/// NCCL's message for a failed join, with what to do about it when NCCL's words alone would
+/// leave a user guessing.
+pub(crate) fn join_advice(message: &str) -> String {
+    if message.contains("Duplicate GPU") {
+        format!(
+            "{message}: two ranks of the group use the same GPU; give each rank its own, by \
+             putting its model on Device::cuda(local_rank) or by starting each rank with its \
+             own CUDA_VISIBLE_DEVICES (torchrun and burn-ddp-run export LOCAL_RANK)"
+        )
+    } else {
+        message.to_string()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use burn_cubecl::cubecl::device::{CpuDevice, CudaDevice, WgpuDevice};
+
+    #[test]
+    fn cuda_devices_are_told_apart_from_every_other_cubecl_device() {
+        assert_eq!(cuda_ordinal(&Device::cuda(0)), Some(0));
+        assert_eq!(cuda_ordinal(&Device::cuda(3)), Some(3));
+        let cpu = Device::new(DispatchDevice::Cube(CubeDevice::Cpu(CpuDevice)));
+        assert_eq!(cuda_ordinal(&cpu), None);
+        // wgpu shares CubeCL's backend type with CUDA: told apart by the device, not the type.
+        let wgpu = Device::new(DispatchDevice::Cube(
+            CubeDevice::Wgpu(WgpuDevice::default()),
+        ));
+        assert_eq!(cuda_ordinal(&wgpu), None);
+        let cuda = Device::new(DispatchDevice::Cube(CubeDevice::Cuda(CudaDevice {
+            index: 5,
+        })));
+        assert_eq!(cuda_ordinal(&cuda), Some(5));
+    }
+
+    #[test]
+    fn nccl_takes_every_float_type_and_nothing_else() {
+        assert_eq!(DType::of(BurnDType::F64), Some(DType::F64));
+        assert_eq!(DType::of(BurnDType::F32), Some(DType::F32));
+        assert_eq!(DType::of(BurnDType::F16), Some(DType::F16));
+        assert_eq!(DType::of(BurnDType::BF16), Some(DType::BF16));
+        assert_eq!(DType::of(BurnDType::I32), None);
+        assert_eq!(DType::of(BurnDType::U8), None);
+    }
+
+    #[test]
+    fn a_duplicate_gpu_gets_advice() {
+        let nccl = "ncclInvalidUsage: invalid usage (Duplicate GPU detected : rank 1 and rank 0 \
+                    both on CUDA device 1a000)";
+        let advice = join_advice(nccl);
+        assert!(advice.starts_with(nccl), "{advice}");
+        assert!(
+            advice.contains("CUDA_VISIBLE_DEVICES") && advice.contains("Device::cuda(local_rank)"),
+            "{advice}"
+        );
+        assert_eq!(join_advice("ncclSystemError"), "ncclSystemError");
+    }
+}
