@@ -1,5 +1,6 @@
 //! `gpu-bundle`: stripped release binaries and `run.sh`, the one-command GPU check for a bare
-//! machine with a GPU, CUDA 13 and NCCL (no cargo, no network).
+//! machine with a GPU, CUDA 13 and NCCL (no cargo, no network): the NCCL crate's tests (world 1),
+//! `gpu_check` (burn-ddp's example: the multi-rank checks) and the quickstart.
 
 use std::path::PathBuf;
 use std::process::Command;
@@ -51,14 +52,16 @@ pub fn gpu_bundle(task: GpuBundle) -> Result<()> {
             "burn-ddp-nccl",
             "-p",
             "quickstart",
+            "-p",
+            "burn-ddp",
             "--features",
-            "burn-ddp-nccl/cuda,quickstart/cuda",
+            "burn-ddp-nccl/cuda,quickstart/cuda,burn-ddp/nccl,burn-ddp/cli",
             "--test",
             "nccl",
             "--bin",
             "quickstart",
             "--example",
-            "bucket_bench",
+            "gpu_check",
         ],
         true,
     )?;
@@ -68,14 +71,14 @@ pub fn gpu_bundle(task: GpuBundle) -> Result<()> {
             .map(|b| b.path.clone())
             .with_context(|| format!("cargo built no {name}"))
     };
-    let (tests, quickstart, bench) = (find("nccl")?, find("quickstart")?, find("bucket_bench")?);
+    let (tests, quickstart, check) = (find("nccl")?, find("quickstart")?, find("gpu_check")?);
     let bin = out.join("bin");
     let _ = std::fs::remove_dir_all(&bin);
     std::fs::create_dir_all(&bin)?;
     for (from, name) in [
         (&tests, "nccl-tests"),
         (&quickstart, "quickstart"),
-        (&bench, "bucket-bench"),
+        (&check, "gpu-check"),
     ] {
         let to = bin.join(name);
         std::fs::copy(from, &to).with_context(|| format!("copying {}", from.display()))?;

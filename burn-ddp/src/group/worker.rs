@@ -84,6 +84,7 @@ impl Worker {
     }
 
     /// This rank.
+    #[cfg(feature = "train")]
     pub(crate) fn rank(&self) -> usize {
         self.rank
     }
