@@ -90,3 +90,32 @@ pub(crate) fn identical_after_every_step(device: &Device) {
 fn ranks_hold_identical_parameters_after_every_step() {
     identical_after_every_step(&flex());
 }
+
+/// A module of f64 parameters.
+#[derive(burn::module::Module, Debug)]
+struct F64Params {
+    w: burn::module::Param<burn::tensor::Tensor<1>>,
+}
+
+/// `broadcast_module` gives every rank rank 0's f64 parameters exactly (they travel as f64: as
+/// f32, 1 + 1e-12 would arrive as 1).
+#[test]
+fn broadcast_keeps_f64_parameters_exact() {
+    use burn::tensor::{DType, Tensor, TensorData};
+    let values = |rank: usize| vec![1.0 + 1e-12 * (rank + 1) as f64, 1.0 / 3.0, -2.5e-300];
+    let got = run_world(3, options(30), |group| {
+        let rank = group.rank();
+        let w = Tensor::<1>::from_data(TensorData::new(values(rank), [3]), (&flex(), DType::F64));
+        assert_eq!(w.dtype(), DType::F64);
+        let module = F64Params {
+            w: burn::module::Param::from_tensor(w),
+        };
+        let module = broadcast_module(module, &group).unwrap();
+        let w = module.w.val();
+        (w.dtype(), w.into_data().try_to_vec::<f64>().unwrap())
+    });
+    for (rank, (dtype, w)) in got.into_iter().enumerate() {
+        assert_eq!(dtype, DType::F64, "rank {rank}");
+        assert_eq!(w, values(0), "rank {rank}");
+    }
+}
