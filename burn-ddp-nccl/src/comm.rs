@@ -21,7 +21,8 @@
 //! NCCL on the communicator's stream and polls until it finishes. Every wait is bounded: by the
 //! timeout, by [`NcclComm::abort`] from another thread (seen within a poll), by NCCL's own
 //! asynchronous error (a peer's network failure), and by the caller's watch, asked every
-//! [`crate::WATCH_INTERVAL`] (burn-ddp's reports a dead peer or the group's failure record).
+//! [`crate::WATCH_INTERVAL`] (burn-ddp's reports a dead peer or the group's failure record; the
+//! wait then ends unless the collective finishes within [`crate::GRACE`]).
 //! The communicator is non-blocking (`ncclCommInitRankConfig` with `blocking = 0`), so joining
 //! is bounded the same way. Every thread binds the GPU's primary context before calling NCCL,
 //! so no other GPU gets a context.
@@ -96,13 +97,14 @@ pub struct NcclComm {
     inner: Arc<Inner>,
 }
 
+/// Fields drop in order: the communicator, then its stream, then the context they need.
 struct Inner {
+    raw: Mutex<RawComm>,
+    stream: Arc<CudaStream>,
+    ctx: Arc<CudaContext>,
     rank: usize,
     world: usize,
     gpu: usize,
-    ctx: Arc<CudaContext>,
-    stream: Arc<CudaStream>,
-    raw: Mutex<RawComm>,
     /// Set by [`NcclComm::abort`]; the thread holding `raw` aborts it at its next poll.
     aborted: AtomicBool,
     timeout: Duration,
@@ -155,12 +157,12 @@ impl NcclComm {
         }
         Ok(NcclComm {
             inner: Arc::new(Inner {
+                raw: Mutex::new(raw),
+                stream,
+                ctx,
                 rank,
                 world,
                 gpu,
-                ctx,
-                stream,
-                raw: Mutex::new(raw),
                 aborted: AtomicBool::new(false),
                 timeout,
             }),

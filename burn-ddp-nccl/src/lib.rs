@@ -42,4 +42,4 @@ pub use error::NcclError;
 #[cfg(feature = "cuda")]
 pub use tables::cuda_ordinal;
 #[cfg(feature = "cuda")]
-pub use waiting::WATCH_INTERVAL;
+pub use waiting::{GRACE, WATCH_INTERVAL};

@@ -8,6 +8,11 @@ use std::time::{Duration, Instant};
 /// How often a wait asks the caller's watch whether the group failed elsewhere.
 pub const WATCH_INTERVAL: Duration = Duration::from_millis(100);
 
+/// How long a wait goes on polling after its watch reported a failure elsewhere, in case the
+/// work finishes anyway: a peer that did its part of the last collective and exited without
+/// leaving the group looks dead to the watch while this rank's part completes.
+pub const GRACE: Duration = Duration::from_millis(500);
+
 /// The longest sleep between two polls (the first are shorter, for short collectives).
 const MAX_NAP: Duration = Duration::from_micros(500);
 
@@ -25,8 +30,8 @@ pub(crate) enum Stop {
 }
 
 /// Polls `poll` (`Ok(true)`: done) until it is done, fails, `timeout` passes, `aborted` is set
-/// or `watch` returns a reason (asked every [`WATCH_INTERVAL`], and once before giving up on
-/// the deadline, so that a failure elsewhere is named rather than a timeout).
+/// or [`GRACE`] after `watch` returned a reason (asked every [`WATCH_INTERVAL`], and once before
+/// giving up on the deadline, so that a failure elsewhere is named rather than a timeout).
 pub(crate) fn poll_until(
     timeout: Duration,
     aborted: &AtomicBool,
@@ -36,6 +41,7 @@ pub(crate) fn poll_until(
     let start = Instant::now();
     let mut watched = start;
     let mut nap = Duration::from_micros(10);
+    let mut reported: Option<(Instant, String)> = None;
     loop {
         if poll().map_err(Stop::Failed)? {
             return Ok(());
@@ -45,10 +51,17 @@ pub(crate) fn poll_until(
         }
         let now = Instant::now();
         let late = now.duration_since(start) >= timeout;
-        if late || now.duration_since(watched) >= WATCH_INTERVAL {
+        if let Some((since, reason)) = &reported {
+            if late || now.duration_since(*since) >= GRACE {
+                return Err(Stop::Watched(reason.clone()));
+            }
+        } else if late || now.duration_since(watched) >= WATCH_INTERVAL {
             watched = now;
             if let Some(reason) = watch() {
-                return Err(Stop::Watched(reason));
+                if late {
+                    return Err(Stop::Watched(reason));
+                }
+                reported = Some((now, reason));
             }
         }
         if late {
@@ -116,9 +129,9 @@ mod tests {
         );
     }
 
-    /// A failure recorded elsewhere ends a wait of 300 s within the watch interval.
+    /// A failure recorded elsewhere ends a wait of 300 s within the watch interval and the grace.
     #[test]
-    fn the_watch_ends_a_long_wait_within_its_interval() {
+    fn the_watch_ends_a_long_wait_within_its_interval_and_the_grace() {
         let t = Instant::now();
         let mut asked = 0;
         let mut watch = || {
@@ -133,11 +146,25 @@ mod tests {
         );
         assert_eq!(r, Err(Stop::Watched("rank 1 died".into())));
         let took = t.elapsed();
-        assert!(
-            took < Duration::from_millis(250) + 2 * WATCH_INTERVAL,
-            "{took:?}"
-        );
+        let reported = Duration::from_millis(250);
+        assert!(took >= reported + GRACE, "{took:?}");
+        assert!(took < reported + 2 * WATCH_INTERVAL + GRACE, "{took:?}");
         assert!((2..=6).contains(&asked), "asked {asked} times");
+    }
+
+    /// Work that finishes within the grace after the watch reported a failure succeeds: the
+    /// peer did its part and left.
+    #[test]
+    fn work_that_finishes_within_the_grace_succeeds() {
+        let t = Instant::now();
+        let mut watch = || Some("rank 1 closed its connection".to_string());
+        let r = poll_until(
+            Duration::from_secs(300),
+            &AtomicBool::new(false),
+            &mut watch,
+            || Ok(t.elapsed() > WATCH_INTERVAL + GRACE / 2),
+        );
+        assert_eq!(r, Ok(()));
     }
 
     /// An abort from another thread ends the wait within a poll.

@@ -246,8 +246,13 @@ impl ProcessGroup {
             culprit: None,
             cause: reason.to_string(),
         };
+        // The reason is recorded before the device communicators are aborted, so that a
+        // collective the abort stops reports it rather than the abort.
         #[cfg(feature = "train")]
-        self.devices.abort();
+        {
+            let _ = record.clone().agree(&self.store);
+            self.devices.abort();
+        }
         let cause = self
             .on_worker(move |w| Ok(w.abort(record)))
             .wait()

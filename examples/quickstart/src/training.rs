@@ -90,11 +90,23 @@ pub fn device(name: &str, local_rank: usize) -> Result<Device> {
     }
 }
 
+/// This rank's GPU: the local rank's, or GPU 0 when each rank sees only its own GPU
+/// (`CUDA_VISIBLE_DEVICES` naming one, as Slurm's `--gpu-bind` and per-rank launches set it).
 #[cfg(feature = "cuda")]
 fn cuda_device(local_rank: usize) -> Result<Device> {
     // Fails with what was looked for and how to fix it, instead of a loader panic.
     burn_ddp_nccl::check_libraries().context("--device cuda")?;
-    Ok(Device::cuda(local_rank).autodiff())
+    let visible = std::env::var("CUDA_VISIBLE_DEVICES").ok();
+    Ok(Device::cuda(gpu_of(local_rank, visible.as_deref())).autodiff())
+}
+
+/// The CUDA ordinal of local rank `local_rank` given `CUDA_VISIBLE_DEVICES`.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+fn gpu_of(local_rank: usize, visible: Option<&str>) -> usize {
+    match visible.map(|v| v.split(',').filter(|s| !s.trim().is_empty()).count()) {
+        Some(1) => 0,
+        _ => local_rank,
+    }
 }
 
 #[cfg(not(feature = "cuda"))]
@@ -234,4 +246,15 @@ pub fn run(group: Arc<ProcessGroup>, cfg: &Config) -> Result<Report> {
         samples: steps * cfg.batch_size * group.world_size(),
         bytes_per_step,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn one_visible_gpu_is_gpu_0_whatever_the_local_rank() {
+        assert_eq!(super::gpu_of(3, Some("5")), 0);
+        assert_eq!(super::gpu_of(3, None), 3);
+        assert_eq!(super::gpu_of(1, Some("0,1,2,3")), 1);
+        assert_eq!(super::gpu_of(1, Some("")), 1);
+    }
 }

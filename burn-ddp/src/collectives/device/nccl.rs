@@ -89,9 +89,14 @@ fn watch(w: &Worker, found: &mut Option<Elsewhere>) -> Option<String> {
     Some(reason)
 }
 
-/// The group's error for `op` that failed with `e`: a failure found elsewhere names its cause;
-/// this rank's own is recorded, so the peers stop too.
+/// The group's error for `op` that failed with `e`: a failure found elsewhere names its cause
+/// (an abort of the group recorded its reason before it aborted the communicator); this rank's
+/// own is recorded, so the peers stop too.
 fn failed(w: &mut Worker, op: String, e: NcclError, found: Option<Elsewhere>) -> DdpError {
+    let found = match (found, &e) {
+        (None, NcclError::Stopped { .. }) => w.failure_elsewhere(),
+        (found, _) => found,
+    };
     match found {
         Some(elsewhere) => w.failed_elsewhere(op, elsewhere),
         None => w.fail_here(op, e.to_string()),
