@@ -48,7 +48,7 @@ use cudarc::driver::{CudaContext, CudaStream};
 use crate::error::NcclError;
 use crate::ffi::{self, RawComm, RawOp, State};
 use crate::library::Located;
-use crate::tables::{DType, RedOp, cuda_ordinal, join_advice};
+use crate::tables::{DType, RedOp, cuda_ordinal, join_advice, wrong_gpu};
 use crate::waiting::{Stop, poll_until};
 
 type CudaServer = <CudaRuntime as Runtime>::Server;
@@ -299,13 +299,7 @@ impl NcclComm {
         };
         match cuda_ordinal(&device) {
             Some(gpu) if gpu == self.inner.gpu => {}
-            Some(gpu) => {
-                return Err(self.tensor_error(format!(
-                    "the tensor is on GPU {gpu} but this rank's NCCL communicator is on GPU {} \
-                     (the GPU of its first CUDA tensor): a rank keeps all its tensors on one GPU",
-                    self.inner.gpu
-                )));
-            }
+            Some(gpu) => return Err(self.tensor_error(wrong_gpu(gpu, self.inner.gpu))),
             None => {
                 return Err(self.tensor_error(format!("{device:?} is not a CUDA device")));
             }

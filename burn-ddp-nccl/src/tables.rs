@@ -48,6 +48,14 @@ pub fn cuda_ordinal(device: &Device) -> Option<usize> {
     }
 }
 
+/// Why a tensor on GPU `tensor` cannot go through a communicator on GPU `comm`.
+pub(crate) fn wrong_gpu(tensor: usize, comm: usize) -> String {
+    format!(
+        "the tensor is on GPU {tensor} but this rank's NCCL communicator is on GPU {comm} (the \
+         GPU of its first CUDA tensor): a rank keeps all its tensors on one GPU"
+    )
+}
+
 /// NCCL's message for a failed join, with what to do about it when NCCL's words alone would
 /// leave a user guessing.
 pub(crate) fn join_advice(message: &str) -> String {
@@ -92,6 +100,15 @@ mod tests {
         assert_eq!(DType::of(BurnDType::BF16), Some(DType::BF16));
         assert_eq!(DType::of(BurnDType::I32), None);
         assert_eq!(DType::of(BurnDType::U8), None);
+    }
+
+    #[test]
+    fn a_tensor_on_another_gpu_names_both() {
+        let msg = wrong_gpu(1, 0);
+        assert!(
+            msg.starts_with("the tensor is on GPU 1 but this rank's NCCL communicator is on GPU 0"),
+            "{msg}"
+        );
     }
 
     #[test]

@@ -226,3 +226,19 @@ fn invalid(rank: usize, op: &str, reason: String) -> DdpError {
         reason,
     }
 }
+
+#[cfg(all(test, feature = "nccl"))]
+mod tests {
+    use super::*;
+
+    /// CUDA devices (autodiff or not) go to NCCL, the CPU through the host; decided without a
+    /// GPU or a driver (wgpu, which shares CubeCL's backend type with CUDA, is told apart in
+    /// burn-ddp-nccl's `cuda_ordinal` tests).
+    #[test]
+    fn cuda_devices_and_only_they_go_to_nccl() {
+        assert_eq!(Kind::of(&Device::cuda(0)), Kind::Cuda);
+        assert_eq!(Kind::of(&Device::cuda(1).autodiff()), Kind::Cuda);
+        assert_eq!(Kind::of(&Device::flex()), Kind::Host);
+        assert_eq!(Kind::of(&Device::flex().autodiff()), Kind::Host);
+    }
+}
