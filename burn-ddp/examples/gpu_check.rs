@@ -55,6 +55,8 @@ enum Check {
 
 fn main() -> Result<()> {
     let cli = Cli::parse();
+    // Says which library is missing instead of a loader panic at the first CUDA tensor.
+    burn_ddp_nccl::check_libraries()?;
     let group = Arc::new(ProcessGroup::from_env().context("forming the group")?);
     let device = Device::cuda(cli.gpu.unwrap_or(group.local_rank()));
     let failed = match cli.check {
