@@ -203,6 +203,12 @@ impl ShmChannel {
             if last_check.elapsed() >= YIELD_FOR || waited >= self.timeout {
                 last_check = Instant::now();
                 if let Some(detail) = net.gone(self.ranks[peer]) {
+                    // Its counter was read before the check: since then it may have ended
+                    // this step, returned and left the group. Only a peer that left before
+                    // ending the step is a failure.
+                    if self.load(peer, Field::Step) >= target {
+                        continue;
+                    }
                     return Err(self.fault(peer, detail));
                 }
             }
@@ -246,5 +252,85 @@ fn describe((kind, seq, dtype, bytes): (u64, u64, u64, u64), aux: u64) -> String
             }
         }
         _ => format!("an unknown operation (codes {kind:?}, {dtype:?}, #{seq})"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::segment::{self, Created, Layout};
+    use super::*;
+
+    /// Local ranks 0 and 1 of one segment, in this process.
+    fn pair(tag: &str) -> (Created, ShmChannel, ShmChannel) {
+        let layout = Layout::new(2, 4096);
+        let name = format!("/{}unit-{}-{tag}", segment::NAME_PREFIX, std::process::id());
+        let (created, a) = segment::create(&name, layout.len()).unwrap();
+        let b = segment::open(&name, layout.len()).unwrap();
+        let timeouts = (Duration::from_secs(10), Duration::ZERO);
+        let channel = |rank, map| ShmChannel::new(rank, vec![0, 1], 1, map, layout, timeouts);
+        (created, channel(0, a), channel(1, b))
+    }
+
+    /// Rank 0's network while it waits for rank 1 at the end of a step: when rank 0 checks the
+    /// connection, rank 1 has just (`ended`) or not ended the step, and left the group. This is
+    /// the window of a rank descheduled between reading its peer's counter and checking its
+    /// connection, made as wide as it gets.
+    struct LeavesDuringTheCheck<'a> {
+        peer: &'a mut ShmChannel,
+        ended: bool,
+    }
+
+    impl Peers for LeavesDuringTheCheck<'_> {
+        fn gone(&mut self, peer: usize) -> Option<String> {
+            assert_eq!(peer, 1);
+            if std::mem::take(&mut self.ended) {
+                // Rank 0's counter is already at the step: rank 1 does not wait.
+                self.peer.step(&mut Quiet).unwrap();
+            }
+            Some("rank 1 left the group (dropped its process group)".into())
+        }
+
+        fn across_hosts(&mut self, _: &mut [u8]) -> Result<(), Fault> {
+            unreachable!("one host")
+        }
+    }
+
+    /// A network where every peer is there.
+    struct Quiet;
+
+    impl Peers for Quiet {
+        fn gone(&mut self, _: usize) -> Option<String> {
+            None
+        }
+
+        fn across_hosts(&mut self, _: &mut [u8]) -> Result<(), Fault> {
+            unreachable!("one host")
+        }
+    }
+
+    #[test]
+    fn a_peer_that_ended_the_step_and_left_is_no_failure() {
+        let (_segment, mut a, mut b) = pair("ended");
+        let mut net = LeavesDuringTheCheck {
+            peer: &mut b,
+            ended: true,
+        };
+        assert_eq!(a.step(&mut net).map_err(|f| f.detail), Ok(()));
+    }
+
+    #[test]
+    fn a_peer_that_left_before_ending_the_step_is_named() {
+        let (_segment, mut a, mut b) = pair("left");
+        let mut net = LeavesDuringTheCheck {
+            peer: &mut b,
+            ended: false,
+        };
+        let fault = a.step(&mut net).unwrap_err();
+        assert_eq!(fault.peer, 1);
+        assert!(
+            fault.detail.contains("rank 1 left the group"),
+            "{}",
+            fault.detail
+        );
     }
 }
