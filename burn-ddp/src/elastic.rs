@@ -96,7 +96,7 @@ pub(crate) fn record_error_with(message: impl FnOnce() -> String) {
     let Some(path) = std::env::var_os(ERROR_FILE_VAR).filter(|p| !p.is_empty()) else {
         return;
     };
-    let mut recorded = RECORDED.lock().unwrap_or_else(|p| p.into_inner());
+    let mut recorded = crate::sync::lock(&RECORDED);
     if *recorded {
         return;
     }

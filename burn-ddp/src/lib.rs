@@ -71,6 +71,7 @@ pub mod secret;
 pub mod signals;
 pub mod status;
 pub mod store;
+mod sync;
 #[cfg(feature = "train")]
 pub mod train;
 mod wire;

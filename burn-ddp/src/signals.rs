@@ -70,10 +70,7 @@ pub fn subscribe(listener: impl Fn(i32) + Send + Sync + 'static) -> Result<Subsc
         )
     })?;
     let id = dispatcher.next_id.fetch_add(1, Ordering::Relaxed);
-    let mut listeners = dispatcher
-        .listeners
-        .lock()
-        .unwrap_or_else(|p| p.into_inner());
+    let mut listeners = crate::sync::lock(&dispatcher.listeners);
     listeners.push((id, Arc::new(listener)));
     Ok(Subscription { id, dispatcher })
 }
@@ -94,11 +91,7 @@ impl std::fmt::Debug for Subscription {
 
 impl Drop for Subscription {
     fn drop(&mut self) {
-        let mut listeners = self
-            .dispatcher
-            .listeners
-            .lock()
-            .unwrap_or_else(|p| p.into_inner());
+        let mut listeners = crate::sync::lock(&self.dispatcher.listeners);
         listeners.retain(|(id, _)| *id != self.id);
     }
 }
@@ -130,10 +123,7 @@ fn dispatch(signal: i32) {
     let Some(Ok(dispatcher)) = DISPATCHER.get() else {
         return;
     };
-    let listeners: Vec<Listener> = dispatcher
-        .listeners
-        .lock()
-        .unwrap_or_else(|p| p.into_inner())
+    let listeners: Vec<Listener> = crate::sync::lock(&dispatcher.listeners)
         .iter()
         .map(|(_, l)| l.clone())
         .collect();
@@ -183,7 +173,7 @@ pub enum Arrival {
 impl Repeats {
     /// Classifies `signal`, received now.
     pub fn arrive(&self, signal: i32) -> Arrival {
-        let mut first = self.first.lock().unwrap_or_else(|p| p.into_inner());
+        let mut first = crate::sync::lock(&self.first);
         match *first {
             None => {
                 *first = Some((signal, Instant::now()));
@@ -196,18 +186,12 @@ impl Repeats {
 
     /// The first signal received, if any.
     pub fn first(&self) -> Option<i32> {
-        self.first
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .map(|(s, _)| s)
+        crate::sync::lock(&self.first).map(|(s, _)| s)
     }
 
     /// When the first signal arrived, if one did.
     pub fn first_at(&self) -> Option<Instant> {
-        self.first
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .map(|(_, t)| t)
+        crate::sync::lock(&self.first).map(|(_, t)| t)
     }
 }
 

@@ -160,7 +160,7 @@ pub(crate) struct StatusCell {
 
 impl StatusCell {
     fn lock(&self) -> std::sync::MutexGuard<'_, RankStatus> {
-        self.state.lock().unwrap_or_else(|p| p.into_inner())
+        crate::sync::lock(&self.state)
     }
 
     /// Changes the status; the publisher sends it within [`PUBLISH_INTERVAL`].

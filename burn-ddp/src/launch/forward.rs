@@ -35,7 +35,7 @@ impl Forwarder {
     /// The ranks signals go to (the processes of the current start). A signal that arrived
     /// while they were being started is passed on to them now.
     pub(crate) fn set_ranks(&self, pids: &[u32]) {
-        *self.state.pids.lock().unwrap_or_else(|p| p.into_inner()) = pids.to_vec();
+        *crate::sync::lock(&self.state.pids) = pids.to_vec();
         if let Some(signal) = self.state.repeats.first() {
             for pid in pids {
                 super::kill_pid(*pid, Some(signal));
@@ -58,7 +58,7 @@ impl Forwarder {
 
 impl State {
     fn pids(&self) -> Vec<u32> {
-        self.pids.lock().unwrap_or_else(|p| p.into_inner()).clone()
+        crate::sync::lock(&self.pids).clone()
     }
 
     fn on_signal(&self, signal: i32) {

@@ -130,7 +130,7 @@ impl RankOutput {
                     line.push(b'\n');
                 }
                 if let Some(file) = &log {
-                    let mut file = file.lock().unwrap_or_else(|p| p.into_inner());
+                    let mut file = crate::sync::lock(file);
                     let _ = file.write_all(&line);
                 }
                 if shown {

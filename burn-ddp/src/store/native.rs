@@ -63,7 +63,7 @@ impl NativeClient {
     }
 
     fn request(&self, req: &Request, wait: Duration) -> Result<Response> {
-        let mut guard = self.conn.lock().unwrap_or_else(|p| p.into_inner());
+        let mut guard = crate::sync::lock(&self.conn);
         let Some(stream) = guard.as_mut() else {
             return Err(self.error("the connection was lost earlier".into()));
         };

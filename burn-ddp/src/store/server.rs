@@ -100,13 +100,13 @@ impl Conns {
 
 impl Shared {
     fn conns(&self) -> MutexGuard<'_, Conns> {
-        self.conns.lock().unwrap_or_else(|p| p.into_inner())
+        crate::sync::lock(&self.conns)
     }
 
     fn map(&self) -> MutexGuard<'_, HashMap<String, Vec<u8>>> {
         // A handler thread that panicked cannot leave the map half-written (every update is a
         // single insert), so a poisoned lock is still usable.
-        self.map.lock().unwrap_or_else(|p| p.into_inner())
+        crate::sync::lock(&self.map)
     }
 
     /// Waits until `ready(map)` holds, the deadline passes or the server stops.
@@ -125,11 +125,7 @@ impl Shared {
             if now >= deadline || self.shutdown.load(Ordering::Acquire) {
                 return (map, false);
             }
-            map = self
-                .changed
-                .wait_timeout(map, deadline - now)
-                .unwrap_or_else(|p| p.into_inner())
-                .0;
+            map = crate::sync::wait_timeout(&self.changed, map, deadline - now).0;
         }
     }
 }

@@ -314,7 +314,7 @@ where
         let result = training
             .with_training_strategy(TrainingStrategy::Custom(Arc::new(strategy)))
             .launch(learner);
-        match failure.lock().unwrap_or_else(|p| p.into_inner()).take() {
+        match crate::sync::lock(&failure).take() {
             Some(e) => Err(e),
             None => Ok(result),
         }

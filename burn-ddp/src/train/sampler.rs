@@ -63,7 +63,7 @@ impl AccessLog {
 
     fn record(&self, index: usize) {
         if self.recording.load(Ordering::Relaxed) {
-            let mut indices = self.indices.lock().unwrap_or_else(|p| p.into_inner());
+            let mut indices = crate::sync::lock(&self.indices);
             if indices.len() < Self::KEEP {
                 indices.push(index);
             }
@@ -77,13 +77,13 @@ pub(crate) struct SamplerRegistry(Mutex<Vec<DistributedSampler>>);
 
 impl SamplerRegistry {
     fn add(&self, sampler: &DistributedSampler) {
-        let mut samplers = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        let mut samplers = crate::sync::lock(&self.0);
         samplers.push(sampler.clone());
     }
 
     /// The samplers made for the group, with the number of live datasets each wraps.
     pub(crate) fn in_use(&self) -> Vec<(DistributedSampler, usize)> {
-        let samplers = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        let samplers = crate::sync::lock(&self.0);
         (samplers.iter())
             .map(|s| (s.clone(), s.datasets_alive()))
             .filter(|(_, n)| *n > 0)
@@ -137,19 +137,16 @@ impl DistributedSampler {
 
     /// How many datasets made by [`DistributedSampler::dataset`] are alive.
     pub(crate) fn datasets_alive(&self) -> usize {
-        let datasets = self.datasets.0.lock().unwrap_or_else(|p| p.into_inner());
+        let datasets = crate::sync::lock(&self.datasets.0);
         datasets.iter().filter(|d| d.strong_count() > 0).count()
     }
 
     /// Starts (clearing) or stops logging the indices loaders ask of this sampler's datasets.
     pub(crate) fn record_access(&self, on: bool) {
-        let datasets = self.datasets.0.lock().unwrap_or_else(|p| p.into_inner());
+        let datasets = crate::sync::lock(&self.datasets.0);
         for log in datasets.iter().filter_map(Weak::upgrade) {
             if on {
-                log.indices
-                    .lock()
-                    .unwrap_or_else(|p| p.into_inner())
-                    .clear();
+                crate::sync::lock(&log.indices).clear();
             }
             log.recording.store(on, Ordering::Relaxed);
         }
@@ -157,14 +154,9 @@ impl DistributedSampler {
 
     /// The indices logged since [`DistributedSampler::record_access`]`(true)`, per dataset.
     pub(crate) fn accessed(&self) -> Vec<Vec<usize>> {
-        let datasets = self.datasets.0.lock().unwrap_or_else(|p| p.into_inner());
+        let datasets = crate::sync::lock(&self.datasets.0);
         (datasets.iter().filter_map(Weak::upgrade))
-            .map(|log| {
-                log.indices
-                    .lock()
-                    .unwrap_or_else(|p| p.into_inner())
-                    .clone()
-            })
+            .map(|log| crate::sync::lock(&log.indices).clone())
             .collect()
     }
 
@@ -270,7 +262,7 @@ impl DistributedSampler {
     /// Wraps `dataset` so that it yields this rank's share, in the sampler's order.
     pub fn dataset<I, D: Dataset<I>>(&self, dataset: D) -> DistributedDataset<D, I> {
         let log = Arc::new(AccessLog::default());
-        let mut datasets = self.datasets.0.lock().unwrap_or_else(|p| p.into_inner());
+        let mut datasets = crate::sync::lock(&self.datasets.0);
         datasets.retain(|d| d.strong_count() > 0);
         datasets.push(Arc::downgrade(&log));
         DistributedDataset {
@@ -297,7 +289,7 @@ pub struct DistributedDataset<D, I> {
 impl<D: Dataset<I>, I> DistributedDataset<D, I> {
     fn indices(&self) -> Arc<Vec<usize>> {
         let cursor = self.sampler.cursor();
-        let mut cache = self.cache.lock().unwrap_or_else(|p| p.into_inner());
+        let mut cache = crate::sync::lock(&self.cache);
         match &*cache {
             Some((p, idx)) if *p == cursor => idx.clone(),
             _ => {

@@ -126,7 +126,7 @@ const KEEP: usize = 256;
 
 /// Records the figures of `iteration`'s step, before its item goes to burn-train.
 pub(crate) fn record(iteration: usize, stats: JobStats) {
-    let mut recent = RECENT.lock().unwrap_or_else(|p| p.into_inner());
+    let mut recent = crate::sync::lock(&RECENT);
     if recent.len() == KEEP {
         recent.pop_front();
     }
@@ -135,7 +135,7 @@ pub(crate) fn record(iteration: usize, stats: JobStats) {
 
 /// The figures recorded last for `iteration`.
 fn lookup(iteration: Option<usize>) -> Option<JobStats> {
-    let recent = RECENT.lock().unwrap_or_else(|p| p.into_inner());
+    let recent = crate::sync::lock(&RECENT);
     let iteration = iteration?;
     recent
         .iter()

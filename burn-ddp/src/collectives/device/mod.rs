@@ -98,7 +98,7 @@ impl DeviceBackends {
     /// ends within a poll, and none waits for ranks that will not come.
     pub(crate) fn abort(&self) {
         #[cfg(feature = "nccl")]
-        for (_, route) in self.chosen.lock().unwrap_or_else(|p| p.into_inner()).iter() {
+        for (_, route) in crate::sync::lock(&self.chosen).iter() {
             if let Route::Nccl(comm) = route {
                 comm.abort();
             }
@@ -106,9 +106,7 @@ impl DeviceBackends {
     }
 
     fn get(&self, kind: Kind) -> Option<Route> {
-        self.chosen
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
+        crate::sync::lock(&self.chosen)
             .iter()
             .find(|(k, _)| *k == kind)
             .map(|(_, r)| r.clone())
@@ -122,7 +120,7 @@ fn route(group: &ProcessGroup, device: &Device) -> Result<Route> {
     if let Some(route) = backends.get(kind) {
         return Ok(route);
     }
-    let _joining = backends.joining.lock().unwrap_or_else(|p| p.into_inner());
+    let _joining = crate::sync::lock(&backends.joining);
     if let Some(route) = backends.get(kind) {
         return Ok(route);
     }
@@ -140,11 +138,7 @@ fn route(group: &ProcessGroup, device: &Device) -> Result<Route> {
         group.rank(),
         route.name()
     );
-    backends
-        .chosen
-        .lock()
-        .unwrap_or_else(|p| p.into_inner())
-        .push((kind, route.clone()));
+    crate::sync::lock(&backends.chosen).push((kind, route.clone()));
     Ok(route)
 }
 

@@ -137,7 +137,7 @@ impl C10dClient {
         what: impl FnOnce() -> String,
         exchange: impl FnOnce(&mut TcpStream) -> io::Result<T>,
     ) -> Result<T> {
-        let mut guard = self.conn.lock().unwrap_or_else(|p| p.into_inner());
+        let mut guard = crate::sync::lock(&self.conn);
         let Some(stream) = guard.as_mut() else {
             return Err(self.error("the connection was lost earlier".into()));
         };

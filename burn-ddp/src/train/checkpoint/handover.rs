@@ -60,17 +60,13 @@ struct Parts {
 impl Parts {
     fn wait(&self, timeout: Duration) -> std::result::Result<[Vec<u8>; 3], SnapshotError> {
         let deadline = Instant::now() + timeout;
-        let mut slots = self.slots.lock().unwrap_or_else(|p| p.into_inner());
+        let mut slots = crate::sync::lock(&self.slots);
         while slots.iter().any(Option::is_none) {
             let left = deadline.saturating_duration_since(Instant::now());
             if left.is_zero() {
                 return Err(SnapshotError::HandOver(timeout));
             }
-            slots = self
-                .ready
-                .wait_timeout(slots, left)
-                .unwrap_or_else(|p| p.into_inner())
-                .0;
+            slots = crate::sync::wait_timeout(&self.ready, slots, left).0;
         }
         let mut out: [Vec<u8>; 3] = Default::default();
         for (o, s) in out.iter_mut().zip(slots.iter_mut()) {
@@ -92,7 +88,7 @@ impl<R: Checkpoint> Checkpointer<R> for Part {
             .checkpoint_into_bytes()
             .map(|b| b.to_vec())
             .map_err(|e| SnapshotError::Encode(e.to_string()));
-        let mut slots = self.parts.slots.lock().unwrap_or_else(|p| p.into_inner());
+        let mut slots = crate::sync::lock(&self.parts.slots);
         slots[self.slot] = Some(bytes);
         self.parts.ready.notify_all();
         Ok(())

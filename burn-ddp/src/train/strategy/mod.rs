@@ -77,7 +77,7 @@ impl DdpStrategy {
             log::error!("rank {}: {error}", self.group.rank());
             interrupter.stop(Some(&error.to_string()));
         }
-        let mut slot = self.failure.lock().unwrap_or_else(|p| p.into_inner());
+        let mut slot = crate::sync::lock(&self.failure);
         slot.get_or_insert(error);
     }
 

@@ -101,13 +101,13 @@ impl Trace {
             start,
             end,
         };
-        let mut writer = self.writer.lock().unwrap_or_else(|p| p.into_inner());
+        let mut writer = crate::sync::lock(&self.writer);
         writer.pending.push(event);
     }
 
     /// Appends the events recorded since the last write; the file is a complete trace after.
     pub(crate) fn write(&self) -> std::io::Result<()> {
-        let mut writer = self.writer.lock().unwrap_or_else(|p| p.into_inner());
+        let mut writer = crate::sync::lock(&self.writer);
         let Writer { file, pending } = &mut *writer;
         if pending.is_empty() {
             return Ok(());
