@@ -206,7 +206,7 @@ impl StatusCell {
 }
 
 /// "rank 3", "ranks 0-2, 5".
-fn name_ranks(ranks: &[usize]) -> String {
+pub(crate) fn name_ranks(ranks: &[usize]) -> String {
     let mut parts = Vec::new();
     let mut i = 0;
     while i < ranks.len() {

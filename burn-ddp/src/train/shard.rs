@@ -16,6 +16,7 @@ use burn::data::dataloader::DataLoader;
 use super::sampler::DistributedSampler;
 use super::strategy::DdpStrategy;
 use crate::error::{DdpError, Result};
+use crate::status::name_ranks;
 use crate::wire::{DecodeError, Reader, Writer};
 
 /// One split's loader, as this rank will iterate it.
@@ -326,24 +327,15 @@ fn describe(counts: &[Counts], figure: impl Fn(&Counts) -> String) -> String {
     }
     let parts: Vec<String> = groups
         .into_iter()
-        .map(|(f, ranks)| format!("{}: {f}", rank_list(&ranks)))
+        .map(|(f, ranks)| format!("{}: {f}", name_ranks(&ranks)))
         .collect();
-    parts.join(", ")
+    parts.join("; ")
 }
 
 /// The ranks for which `pred` holds, as a list.
 fn describe_ranks(counts: &[Counts], pred: impl Fn(&Counts) -> bool) -> String {
     let ranks: Vec<usize> = (0..counts.len()).filter(|r| pred(&counts[*r])).collect();
-    rank_list(&ranks)
-}
-
-/// `rank 3` or `ranks 0, 2`.
-fn rank_list(ranks: &[usize]) -> String {
-    let list: Vec<String> = ranks.iter().map(|r| r.to_string()).collect();
-    match ranks {
-        [_] => format!("rank {}", list[0]),
-        _ => format!("ranks {}", list.join(", ")),
-    }
+    name_ranks(&ranks)
 }
 
 #[cfg(test)]
@@ -374,7 +366,7 @@ mod tests {
         let counts = [c(3), c(3), c(4)];
         assert_eq!(
             describe(&counts, |c| format!("{} batches", c.batches)),
-            "ranks 0, 1: 3 batches, rank 2: 4 batches"
+            "ranks 0-1: 3 batches; rank 2: 4 batches"
         );
     }
 }

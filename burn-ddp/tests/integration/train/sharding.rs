@@ -121,7 +121,7 @@ fn without_a_sampler_every_sample_is_on_one_rank_each_epoch() {
         "shards the training loader",
         "each of the 3 ranks",
         "of its 50 items",
-        "rank 0: 16 items, ranks 1, 2: 17 items",
+        "rank 0: 16 items; ranks 1-2: 17 items",
         "reshuffle",
         "sorted by class",
     ]));
@@ -132,7 +132,7 @@ fn without_a_sampler_every_sample_is_on_one_rank_each_epoch() {
     ]));
     assert!(said(&[
         "training slices make different numbers of batches",
-        "rank 0: 4 batches (16 items), ranks 1, 2: 5 batches (17 items)",
+        "rank 0: 4 batches (16 items); ranks 1-2: 5 batches (17 items)",
     ]));
 }
 
@@ -206,7 +206,7 @@ fn ranks_with_different_numbers_of_batches_stop_before_the_first_step() {
         let error = error.as_deref().expect("an error");
         for needle in [
             "different numbers of training batches",
-            "rank 0: 6 batches (24 items), rank 1: 8 batches (24 items)",
+            "rank 0: 6 batches (24 items); rank 1: 8 batches (24 items)",
             "uneven_inputs(true)",
         ] {
             assert!(error.contains(needle), "rank {rank}: {needle:?} in {error}");
