@@ -46,7 +46,7 @@ use cubecl_runtime::runtime::Runtime;
 use cudarc::driver::{CudaContext, CudaStream};
 
 use crate::error::NcclError;
-use crate::ffi::{self, RawComm, RawOp, State};
+use crate::ffi::{self, Failure, RawComm, RawOp, State};
 use crate::library::Located;
 use crate::tables::{DType, RedOp, cuda_ordinal, join_advice, wrong_gpu};
 use crate::waiting::{Stop, poll_until};
@@ -84,10 +84,10 @@ pub fn unique_id(rank: usize) -> Result<[u8; 128], NcclError> {
     if !ffi::libraries_present().1 {
         return Err(Located::from_env().missing("libnccl"));
     }
-    ffi::unique_id().map_err(|message| NcclError::Nccl {
+    ffi::unique_id().map_err(|failure| NcclError::Nccl {
         rank,
         call: "ncclGetUniqueId",
-        message,
+        message: failure.to_string(),
     })
 }
 
@@ -139,10 +139,10 @@ impl NcclComm {
         })?;
         ctx.bind_to_thread().map_err(cuda("cuCtxSetCurrent"))?;
         let stream = ctx.new_stream().map_err(cuda("cuStreamCreate"))?;
-        let join_error = |message: String| NcclError::Nccl {
+        let join_error = |failure: Failure| NcclError::Nccl {
             rank,
             call: "ncclCommInitRankConfig",
-            message: join_advice(&message),
+            message: join_advice(&failure.to_string()),
         };
         let mut raw = RawComm::start(world, id, rank).map_err(join_error)?;
         let joined = poll_until(timeout, &AtomicBool::new(false), watch, || {
@@ -366,10 +366,10 @@ impl Pending {
             "{} of {} x {:?}",
             self.name, self.input.count, self.input.dtype
         );
-        let nccl_error = |message: String| NcclError::Nccl {
+        let nccl_error = |failure: Failure| NcclError::Nccl {
             rank,
             call: self.name,
-            message,
+            message: failure.to_string(),
         };
         let start = Instant::now();
         let stream = inner.stream.cu_stream();
@@ -409,7 +409,7 @@ impl Pending {
 }
 
 /// A poll of a communicator's state: done when ready.
-fn ready(state: State) -> Result<bool, String> {
+fn ready(state: State) -> Result<bool, Failure> {
     match state {
         State::Ready => Ok(true),
         State::InProgress => Ok(false),
@@ -418,7 +418,7 @@ fn ready(state: State) -> Result<bool, String> {
 }
 
 /// The error of a wait that ended before its work did (the communicator is aborted).
-fn stopped(rank: usize, op: String, timeout: Duration, stop: Stop) -> NcclError {
+fn stopped(rank: usize, op: String, timeout: Duration, stop: Stop<Failure>) -> NcclError {
     match stop {
         Stop::TimedOut => NcclError::Timeout { rank, op, timeout },
         Stop::Watched(reason) => NcclError::Stopped { rank, op, reason },
@@ -427,10 +427,10 @@ fn stopped(rank: usize, op: String, timeout: Duration, stop: Stop) -> NcclError 
             op,
             reason: "the communicator was aborted after a failure in the group".into(),
         },
-        Stop::Failed(reason) => NcclError::Nccl {
+        Stop::Failed(failure) => NcclError::Nccl {
             rank,
             call: "NCCL",
-            message: reason,
+            message: failure.to_string(),
         },
     }
 }

@@ -33,26 +33,57 @@ pub(crate) fn libraries_present() -> (bool, bool) {
     unsafe { (cu::is_culib_present(), sys::is_culib_present()) }
 }
 
-/// NCCL's message for a result code.
+/// A failed NCCL or CUDA driver call: the result code and, for NCCL, its words for it and the
+/// communicator's last error (`ncclGetLastError`, which says for instance "Duplicate GPU
+/// detected").
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Failure {
+    /// The result code's name (`ncclRemoteError`, `CUDA_ERROR_LAUNCH_FAILED`...).
+    pub(crate) code: String,
+    /// What the library said beyond the code (may be empty).
+    pub(crate) detail: String,
+}
+
+impl std::fmt::Display for Failure {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        if self.detail.is_empty() {
+            f.write_str(&self.code)
+        } else {
+            write!(f, "{}: {}", self.code, self.detail)
+        }
+    }
+}
+
+impl Failure {
+    /// A failure of this crate's own making (a call on an aborted communicator).
+    fn ours(detail: &str) -> Self {
+        Failure {
+            code: "aborted".into(),
+            detail: detail.into(),
+        }
+    }
+}
+
+/// NCCL's words for a result code (empty if it has none).
 fn error_string(code: sys::ncclResult_t) -> String {
     // SAFETY: only called once libnccl is loaded; the pointer is a static C string.
     unsafe {
         let p = sys::ncclGetErrorString(code);
         if p.is_null() {
-            format!("{code:?}")
+            String::new()
         } else {
-            format!("{code:?}: {}", CStr::from_ptr(p).to_string_lossy())
+            CStr::from_ptr(p).to_string_lossy().into_owned()
         }
     }
 }
 
 /// A fresh 128-byte NCCL unique id (needs only libnccl, no GPU).
-pub(crate) fn unique_id() -> Result<[u8; 128], String> {
+pub(crate) fn unique_id() -> Result<[u8; 128], Failure> {
     let mut id = sys::ncclUniqueId { internal: [0; 128] };
     // SAFETY: `id` is a valid out-pointer; libnccl is loaded (module invariant).
     let code = unsafe { sys::ncclGetUniqueId(&mut id) };
     if code != sys::ncclResult_t::ncclSuccess {
-        return Err(error_string(code));
+        return Err(failure_of(code, String::new()));
     }
     Ok(id.internal.map(|c| c as u8))
 }
@@ -105,7 +136,7 @@ pub(crate) enum State {
     /// Still joining, or still issuing a collective.
     InProgress,
     /// It failed (NCCL's words, with `ncclGetLastError`'s).
-    Failed(String),
+    Failed(Failure),
 }
 
 /// One collective on raw device addresses, enqueued by [`RawComm::enqueue`].
@@ -142,7 +173,7 @@ unsafe impl Send for RawComm {}
 impl RawComm {
     /// Starts joining communicator `id` as `rank` of `world` on the current context's GPU,
     /// without blocking: poll [`RawComm::state`] until it is ready.
-    pub(crate) fn start(world: usize, id: &[u8; 128], rank: usize) -> Result<Self, String> {
+    pub(crate) fn start(world: usize, id: &[u8; 128], rank: usize) -> Result<Self, Failure> {
         let mut uid = sys::ncclUniqueId { internal: [0; 128] };
         for (d, s) in uid.internal.iter_mut().zip(id) {
             *d = *s as _;
@@ -165,16 +196,16 @@ impl RawComm {
             sys::ncclResult_t::ncclSuccess | sys::ncclResult_t::ncclInProgress
         );
         if comm.is_null() {
-            return Err(error_string(code));
+            return Err(failure_of(code, String::new()));
         }
         let mut raw = RawComm {
             comm,
             aborted: false,
         };
         if !ok {
-            let message = format!("{} ({})", error_string(code), raw.last_error());
+            let failure = raw.failure(code);
             raw.abort();
-            return Err(message);
+            return Err(failure);
         }
         Ok(raw)
     }
@@ -193,20 +224,15 @@ impl RawComm {
     }
 
     /// `code` with NCCL's words for it and for the communicator's last error.
-    fn failure(&self, code: sys::ncclResult_t) -> String {
-        let last = self.last_error();
-        if last.is_empty() {
-            error_string(code)
-        } else {
-            format!("{} ({last})", error_string(code))
-        }
+    fn failure(&self, code: sys::ncclResult_t) -> Failure {
+        failure_of(code, self.last_error())
     }
 
     /// Where the communicator stands (`ncclCommGetAsyncError`): a join or a collective still
     /// being issued, ready, or failed (a peer's network error included).
     pub(crate) fn state(&mut self) -> State {
         if self.aborted {
-            return State::Failed("the communicator was aborted".into());
+            return State::Failed(Failure::ours("the communicator was aborted"));
         }
         let mut state = sys::ncclResult_t::ncclSuccess;
         // SAFETY: live communicator, valid out-pointer.
@@ -228,9 +254,11 @@ impl RawComm {
         op: RawOp,
         dtype: DType,
         stream: cu::CUstream,
-    ) -> Result<(), String> {
+    ) -> Result<(), Failure> {
         if self.aborted {
-            return Err("the communicator was aborted after an earlier failure".into());
+            return Err(Failure::ours(
+                "the communicator was aborted after an earlier failure",
+            ));
         }
         let (dtype, stream) = (dtype.raw(), stream as sys::cudaStream_t);
         // SAFETY: see the module docs: the addresses and counts describe pinned, contiguous
@@ -293,9 +321,9 @@ impl RawComm {
 
     /// Starts `ncclCommFinalize` (flushes what was issued, without blocking): poll
     /// [`RawComm::state`], then drop.
-    pub(crate) fn start_finalize(&mut self) -> Result<(), String> {
+    pub(crate) fn start_finalize(&mut self) -> Result<(), Failure> {
         if self.aborted {
-            return Err("aborted".into());
+            return Err(Failure::ours("the communicator was aborted"));
         }
         // SAFETY: live communicator.
         match unsafe { sys::ncclCommFinalize(self.comm) } {
@@ -322,12 +350,29 @@ impl Drop for RawComm {
 }
 
 /// Whether `stream` finished its work: `Ok(true)` done, `Ok(false)` still running.
-pub(crate) fn stream_finished(stream: cu::CUstream) -> Result<bool, String> {
+pub(crate) fn stream_finished(stream: cu::CUstream) -> Result<bool, Failure> {
     // SAFETY: `stream` is a live stream of the context bound to this thread.
     match unsafe { cu::cuStreamQuery(stream) } {
         cu::CUresult::CUDA_SUCCESS => Ok(true),
         cu::CUresult::CUDA_ERROR_NOT_READY => Ok(false),
-        other => Err(format!("cuStreamQuery on the NCCL stream: {other:?}")),
+        other => Err(Failure {
+            code: format!("{other:?}"),
+            detail: "cuStreamQuery on the NCCL stream".into(),
+        }),
+    }
+}
+
+/// The failure of NCCL result `code`, with the communicator's last error when there is one.
+fn failure_of(code: sys::ncclResult_t, last: String) -> Failure {
+    let words = error_string(code);
+    let detail = match (words.is_empty(), last.is_empty()) {
+        (_, true) => words,
+        (true, false) => last,
+        (false, false) => format!("{words} ({last})"),
+    };
+    Failure {
+        code: format!("{code:?}"),
+        detail,
     }
 }
 

@@ -16,11 +16,11 @@ pub const GRACE: Duration = Duration::from_millis(500);
 /// The longest sleep between two polls (the first are shorter, for short collectives).
 const MAX_NAP: Duration = Duration::from_micros(500);
 
-/// Why a wait ended without its work done.
+/// Why a wait ended without its work done (`E`: the polled work's error).
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub(crate) enum Stop {
-    /// The polled work failed: its words.
-    Failed(String),
+pub(crate) enum Stop<E> {
+    /// The polled work failed.
+    Failed(E),
     /// The deadline passed.
     TimedOut,
     /// The caller's watch reported a failure elsewhere: its words.
@@ -32,12 +32,12 @@ pub(crate) enum Stop {
 /// Polls `poll` (`Ok(true)`: done) until it is done, fails, `timeout` passes, `aborted` is set
 /// or [`GRACE`] after `watch` returned a reason (asked every [`WATCH_INTERVAL`], and once before
 /// giving up on the deadline, so that a failure elsewhere is named rather than a timeout).
-pub(crate) fn poll_until(
+pub(crate) fn poll_until<E>(
     timeout: Duration,
     aborted: &AtomicBool,
     watch: &mut dyn FnMut() -> Option<String>,
-    mut poll: impl FnMut() -> Result<bool, String>,
-) -> Result<(), Stop> {
+    mut poll: impl FnMut() -> Result<bool, E>,
+) -> Result<(), Stop<E>> {
     let start = Instant::now();
     let mut watched = start;
     let mut nap = Duration::from_micros(10);
@@ -80,10 +80,20 @@ mod tests {
         None
     }
 
+    /// [`poll_until`] of work whose failures are words.
+    fn wait(
+        timeout: Duration,
+        aborted: &AtomicBool,
+        watch: &mut dyn FnMut() -> Option<String>,
+        poll: impl FnMut() -> Result<bool, String>,
+    ) -> Result<(), Stop<String>> {
+        poll_until(timeout, aborted, watch, poll)
+    }
+
     #[test]
     fn done_work_returns_at_once() {
         let mut polls = 0;
-        let r = poll_until(
+        let r = wait(
             Duration::from_secs(5),
             &AtomicBool::new(false),
             &mut never,
@@ -98,7 +108,7 @@ mod tests {
 
     #[test]
     fn a_failure_of_the_work_is_its_own() {
-        let r = poll_until(
+        let r = wait(
             Duration::from_secs(5),
             &AtomicBool::new(false),
             &mut never,
@@ -115,7 +125,7 @@ mod tests {
     #[test]
     fn the_deadline_bounds_a_wait_that_never_ends() {
         let t = Instant::now();
-        let r = poll_until(
+        let r = wait(
             Duration::from_millis(150),
             &AtomicBool::new(false),
             &mut never,
@@ -138,7 +148,7 @@ mod tests {
             asked += 1;
             (t.elapsed() > Duration::from_millis(250)).then(|| "rank 1 died".to_string())
         };
-        let r = poll_until(
+        let r = wait(
             Duration::from_secs(300),
             &AtomicBool::new(false),
             &mut watch,
@@ -158,7 +168,7 @@ mod tests {
     fn work_that_finishes_within_the_grace_succeeds() {
         let t = Instant::now();
         let mut watch = || Some("rank 1 closed its connection".to_string());
-        let r = poll_until(
+        let r = wait(
             Duration::from_secs(300),
             &AtomicBool::new(false),
             &mut watch,
@@ -177,7 +187,7 @@ mod tests {
             std::thread::sleep(Duration::from_millis(50));
             flag.store(true, Ordering::Release);
         });
-        let r = poll_until(Duration::from_secs(300), &aborted, &mut never, || Ok(false));
+        let r = wait(Duration::from_secs(300), &aborted, &mut never, || Ok(false));
         aborter.join().unwrap();
         assert_eq!(r, Err(Stop::Aborted));
         assert!(
