@@ -9,7 +9,7 @@
 //! A failure of this rank's own (NCCL's error, the timeout) is recorded in the store, so the
 //! peers' waits end the same way instead of sitting out their timeouts.
 //!
-//! The NCCL id travels from rank 0 over the group's own transport (a host broadcast), not
+//! The NCCL id travels from rank 0 over the group's own transport (a host all-gather), not
 //! through a store key: each communicator's id is scoped to the group and to the moment it is
 //! joined, so no rank can read a stale id of an earlier communicator or group.
 
@@ -40,11 +40,12 @@ pub(super) fn join(group: &ProcessGroup, device: &Device) -> Result<NcclComm> {
         .wait()
 }
 
-/// Rank 0's NCCL id on every rank, sent over the group's transport. Rank 0 sends its failure to
-/// create one instead, so that every rank reports it rather than waiting for an id.
+/// Rank 0's NCCL id on every rank, sent over the group's transport (an all-gather in which only
+/// rank 0 says anything). Rank 0 sends its failure to create one instead, so that every rank
+/// reports it rather than waiting for an id.
 fn exchange_id(w: &mut Worker) -> Result<[u8; 128]> {
     let rank = w.rank();
-    let mut message = if rank == 0 {
+    let message = if rank == 0 {
         match burn_ddp_nccl::unique_id(0) {
             Ok(id) => Writer::default().u8(1).bytes(&id).buf.clone(),
             Err(e) => Writer::default()
@@ -56,12 +57,8 @@ fn exchange_id(w: &mut Worker) -> Result<[u8; 128]> {
     } else {
         Vec::new()
     };
-    // Every rank must give the broadcast the same length: rank 0's, agreed first.
-    let mut len = (message.len() as u64).to_le_bytes();
-    w.run(|t| t.broadcast(&mut len, 0))?;
-    message.resize(u64::from_le_bytes(len) as usize, 0);
-    w.run(|t| t.broadcast(&mut message, 0))?;
-    decode_id(&message).map_err(|reason| DdpError::Rendezvous { rank, reason })
+    let all = w.run(|t| t.all_gather(&message))?;
+    decode_id(&all[0]).map_err(|reason| DdpError::Rendezvous { rank, reason })
 }
 
 /// The id in rank 0's message, or what rank 0 said went wrong.

@@ -15,6 +15,7 @@ use crate::error::{DdpError, Result};
 use crate::train::gather::{GlobalItem, PendingItem};
 use crate::train::stop::{StepVote, Stop, Voters};
 use crate::train::telemetry::{self, StepStats};
+use crate::wire::{Reader, Writer};
 
 /// A step's output on its way to rank 0's event processor.
 pub(super) struct Report<T> {
@@ -91,17 +92,19 @@ impl DdpStrategy {
 
     /// Each rank's number of items in a split, in rank order (they may differ).
     pub(super) fn split_items<I>(&self, loader: &Arc<dyn DataLoader<I>>) -> Result<SplitItems> {
-        let mine = (loader.num_items() as u64).to_le_bytes().to_vec();
+        let mine = Writer::default().u64(loader.num_items() as u64).buf.clone();
         let all = self.group.all_gather(mine).wait()?;
         let per_rank = all
             .iter()
-            .map(|b| {
-                b.as_slice()
-                    .try_into()
-                    .map(|b| u64::from_le_bytes(b) as usize)
+            .enumerate()
+            .map(|(rank, b)| {
+                let mut r = Reader::new(b);
+                let n = r.u64().and_then(|n| r.finish().map(|()| n as usize));
+                n.map_err(|_| {
+                    DdpError::Disagreement(format!("rank {rank} sent a malformed item count"))
+                })
             })
-            .collect::<std::result::Result<_, _>>()
-            .map_err(|_| DdpError::Disagreement("a rank sent a malformed item count".into()))?;
+            .collect::<Result<_>>()?;
         Ok(SplitItems(per_rank))
     }
 
