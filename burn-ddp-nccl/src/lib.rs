@@ -1,6 +1,6 @@
 //! # burn-ddp-nccl
 //!
-//! The NCCL backend of burn-ddp: gradients all-reduced across GPUs and nodes in place on
+//! The NCCL backend of burn-ddp: gradients all-reduced across GPUs and nodes on
 //! burn-cuda's CubeCL buffers, with no host round trip.
 //!
 //! - [`library`]: finds libcuda and libnccl before anything loads them (cudarc's loader panics

@@ -33,7 +33,7 @@
 //!
 #![cfg_attr(
     feature = "train",
-    doc = concat!("```rust\n", include_str!("../../tests/user-crate/src/main.rs"), "```\n")
+    doc = concat!("```rust\n", include_str!("../doc/whole_program.rs"), "```\n")
 )]
 //!
 //! It needs `burn = { version = "0.22", default-features = false, features = ["std", "flex",

@@ -1,8 +1,8 @@
 //! Rendezvous key-value store: rank 0 (or `burn-ddp-run`) serves burn-ddp's own store at
 //! `MASTER_ADDR:MASTER_PORT`, every rank is a client. Under torchrun the ranks instead join the
 //! PyTorch c10d `TCPStore` torchrun's agent serves there ([`StoreKind::C10d`]). Ranks publish
-//! their data-plane addresses through it, agree on failures through it and (with the NCCL
-//! backend) pass the NCCL unique id through it, as with PyTorch's `TCPStore`.
+//! their data-plane addresses through it and agree on failures through it, as with PyTorch's
+//! `TCPStore` (the NCCL unique id travels over the group's own transport instead).
 //!
 //! The module is public because programs may use the store too, as PyTorch programs use
 //! `TCPStore`: [`ProcessGroup::store`](crate::ProcessGroup::store) gives every rank the same

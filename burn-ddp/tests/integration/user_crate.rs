@@ -1,5 +1,6 @@
 //! A user's crate outside the workspace (`tests/user-crate`), written as the README says: its
-//! `main.rs` is the README's whole program (and burn-ddp's front-page example). Built offline
+//! `main.rs` is the README's whole program and a link to `burn-ddp/doc/whole_program.rs`
+//! (burn-ddp's front-page example, which lies in the package so that it is published). Built offline
 //! with the workspace's `Cargo.lock` copied in, in this test's target directory and with its
 //! features (so only the crate itself compiles), then run alone and under
 //! `burn-ddp-run --nproc 2`: every rank prints the same checksum and nothing warns.
