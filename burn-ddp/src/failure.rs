@@ -7,7 +7,7 @@ use crate::error::Result;
 use crate::store::Store;
 
 /// Store key of the record.
-pub const FAILURE_KEY: &str = "bddp/abort";
+pub(crate) const FAILURE_KEY: &str = "bddp/abort";
 
 /// What went wrong first in a group.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -25,7 +25,7 @@ impl FailureRecord {
     }
 
     /// Decodes a record as the store holds it.
-    pub fn from_bytes(raw: &[u8]) -> Option<Self> {
+    pub(crate) fn from_bytes(raw: &[u8]) -> Option<Self> {
         let text = String::from_utf8_lossy(raw);
         let (culprit, cause) = text.split_once('\n')?;
         Some(FailureRecord {

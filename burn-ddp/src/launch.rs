@@ -3,7 +3,7 @@
 //! `MASTER_PORT`), prefixes each output line with its rank, and when one rank fails stops the
 //! others and reports the rank that failed first and what it last reported doing.
 //!
-//! Output: see [`output`](self::output) (rank 0 gets a terminal, `--log-dir`, `--tee`,
+//! Output: see [`output`] (rank 0 gets a terminal, `--log-dir`, `--tee`,
 //! `--local-ranks-filter`). Stop signals sent to the launcher are forwarded to the ranks, which
 //! stop together at a step boundary (see [`crate::signals`]); the launcher then exits with their
 //! exit code.

@@ -64,7 +64,7 @@ mod error;
 pub mod failure;
 mod group;
 pub mod launch;
-pub mod liveness;
+mod liveness;
 #[cfg(feature = "train")]
 pub mod nn;
 pub mod secret;

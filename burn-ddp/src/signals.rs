@@ -6,7 +6,7 @@
 //! [`subscribe`]d: a training loop ([`StopSignals`]) or the launcher (which forwards them to its
 //! ranks). In a training loop the first SIGTERM, SIGINT or SIGUSR1 is then only recorded: the training loop reads it
 //! with [`StopSignals::requested`], the ranks agree on it at a step boundary, write a checkpoint
-//! and end with [`DdpError::Stopped`](crate::DdpError::Stopped), whose exit code is
+//! and end with [`crate::DdpError::Stopped`], whose exit code is
 //! [`exit_code`]`(signal)` = 128 + the signal's number (143 for SIGTERM, 130 for SIGINT, 138
 //! for SIGUSR1), what a shell reports for a process the signal ended. What stops a rank at once:
 //! - a second signal, at least [`REPEAT_WINDOW`] after the first (a terminal's Ctrl-C reaches
@@ -155,13 +155,13 @@ pub(crate) fn exit_now(who: &str, signal: i32, why: &str) -> ! {
 /// Tells a first stop signal from a second one (a repeat within [`REPEAT_WINDOW`] is the
 /// same request).
 #[derive(Debug, Default)]
-pub struct Repeats {
+pub(crate) struct Repeats {
     first: Mutex<Option<(i32, Instant)>>,
 }
 
 /// What a signal means to a [`Repeats`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Arrival {
+pub(crate) enum Arrival {
     /// The first stop request.
     First,
     /// The same request again (within [`REPEAT_WINDOW`]).

@@ -3,7 +3,7 @@
 //!
 //! The operations themselves are methods of [`crate::ProcessGroup`], generic over the buffer
 //! ([`Reducible`], [`Broadcastable`], [`Gatherable`]): host vectors travel by the TCP transport
-//! ([`tcp`]), or through shared memory ([`shm`]) when every rank runs on one host; burn tensors
+//! (`tcp`), or through shared memory (`shm`) when every rank runs on one host; burn tensors
 //! by the backend of their device kind (`device`, feature `train`: NCCL for CUDA from
 //! `burn-ddp-nccl`, host staging over the host transport for every other device). How an
 //! operation is described on the wire and in errors (`OpKind`, `OpDesc`) is internal: errors

@@ -323,7 +323,7 @@ impl Store {
     /// fresh one with [`Store::compare_set`], the first proposal wins and every rank reads it.
     /// For stores that cannot check a secret themselves (c10d), so that the data plane still
     /// admits only processes that reached the store.
-    pub fn agree_on_secret(&self) -> Result<JobSecret> {
+    pub(crate) fn agree_on_secret(&self) -> Result<JobSecret> {
         let proposal = JobSecret::generate()?;
         let agreed = self.compare_set(SECRET_KEY, b"", proposal.as_bytes())?;
         JobSecret::new(agreed).map_err(|e| DdpError::Store {
