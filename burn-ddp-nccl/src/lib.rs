@@ -6,11 +6,11 @@
 //! - [`library`]: finds libcuda and libnccl before anything loads them (cudarc's loader panics
 //!   on a missing library); a missing library is an [`NcclError`] saying what was looked for and
 //!   how to fix it. Always compiled.
-//! - With the `cuda` feature: [`NcclComm`], one non-blocking communicator per process group on
-//!   the GPU of the rank's tensors ([`cuda_ordinal`]), joined with the 128-byte id rank 0
-//!   creates ([`unique_id`]) and passes to the others (burn-ddp sends it over the group's own
+//! - With the `cuda` feature: `NcclComm`, one non-blocking communicator per process group on
+//!   the GPU of the rank's tensors (`cuda_ordinal`), joined with the 128-byte id rank 0
+//!   creates (`unique_id`) and passes to the others (burn-ddp sends it over the group's own
 //!   transport). All-reduce, broadcast and all-gather start on the calling thread and finish in
-//!   [`Pending::wait`] on any thread, bounded by a timeout, an abort from another thread, NCCL's
+//!   `Pending::wait` on any thread, bounded by a timeout, an abort from another thread, NCCL's
 //!   asynchronous errors and a watch the caller gives. The `cuda` feature turns on burn's kernel
 //!   fusion, so that the CUDA backend is one type in every user's build (see `comm.rs`).
 //!
