@@ -1,5 +1,6 @@
-//! torchrun (`torch.distributed.elastic`) integration: the variables its agent sets, the
-//! restart count, and the error file from which torchrun prints a failed job's root cause.
+//! torchrun (`torch.distributed.elastic`) integration on the rank's side: the restart count,
+//! the error file from which torchrun prints a failed job's root cause, and a rank's tie to the
+//! `burn-ddp-run` that started it. (The variables themselves are read in [`crate::env`].)
 //!
 //! Under torchrun every rank gets `TORCHELASTIC_ERROR_FILE`, a per-rank path. When a rank fails,
 //! torchrun reads that file and shows its message in the "Root Cause" section of its report
@@ -18,58 +19,36 @@ use std::fmt::{Display, Write as _};
 use std::sync::Mutex;
 use std::time::{SystemTime, UNIX_EPOCH};
 
-use crate::error::{DdpError, Result};
-use crate::launch::RESTART_COUNT_VAR;
-
-/// `True` when torchrun's agent serves a c10d `TCPStore` at `MASTER_ADDR:MASTER_PORT`, which
-/// the ranks then join as clients instead of rank 0 serving one.
-pub const USE_AGENT_STORE_VAR: &str = "TORCHELASTIC_USE_AGENT_STORE";
-/// How many times torchrun restarted the workers (0 on the first start).
-pub const TORCHELASTIC_RESTART_COUNT_VAR: &str = "TORCHELASTIC_RESTART_COUNT";
 /// Path of this rank's error file, read by torchrun when the rank fails.
 pub const ERROR_FILE_VAR: &str = "TORCHELASTIC_ERROR_FILE";
 
-/// The restart count from `get`: `BURN_DDP_RESTART_COUNT` (burn-ddp-run) if set, else
-/// `TORCHELASTIC_RESTART_COUNT` (torchrun), else 0.
-pub fn restart_count_from(get: impl Fn(&str) -> Option<String>) -> Result<usize> {
-    for var in [RESTART_COUNT_VAR, TORCHELASTIC_RESTART_COUNT_VAR] {
-        if let Some(v) = get(var).filter(|v| !v.trim().is_empty()) {
-            return v.trim().parse().map_err(|_| DdpError::InvalidEnv {
-                var,
-                value: v.clone(),
-                expected: "a non-negative integer".into(),
-            });
+/// Which start of the job this process belongs to (0: the first), from the process
+/// environment as [`crate::env::restart_count_from`] reads it; 0 when the value is not a
+/// number. Programs use it, for example, to act differently after a restart.
+pub fn restart_count() -> usize {
+    crate::env::process_restart_count()
+}
+
+/// Makes this rank die with the `burn-ddp-run` that started it (`PR_SET_PDEATHSIG`), so a
+/// launcher killed outright (SIGKILL, a lost node) takes its ranks along and their peers see
+/// them gone, as torchrun's agent takes its workers. Does nothing when this process was not
+/// started by our launcher, or when the launcher is already gone.
+pub fn die_with_launcher() {
+    #[cfg(target_os = "linux")]
+    {
+        use rustix::process::{Signal, getppid, set_parent_process_death_signal};
+        let launcher = crate::env::launcher_pid();
+        let parent = getppid().map(|p| p.as_raw_nonzero().get());
+        if launcher.is_some() && launcher == parent {
+            if let Err(e) = set_parent_process_death_signal(Some(Signal::KILL)) {
+                log::warn!("could not tie this rank's life to its launcher's: {e}");
+            }
+            // The launcher may have died between the check and the call.
+            if getppid().map(|p| p.as_raw_nonzero().get()) != launcher {
+                std::process::exit(1);
+            }
         }
     }
-    Ok(0)
-}
-
-/// Which start of the job this process belongs to (0: the first), from the process
-/// environment as [`restart_count_from`] reads it; 0 when the value is not a number. Programs
-/// use it, for example, to act differently after a restart.
-pub fn restart_count() -> usize {
-    restart_count_from(|name| std::env::var(name).ok()).unwrap_or(0)
-}
-
-/// Whether `get` says torchrun's agent serves the store (`TORCHELASTIC_USE_AGENT_STORE`, which
-/// PyTorch compares with `"True"`; `true` and `1` are accepted too).
-pub fn uses_agent_store(get: impl Fn(&str) -> Option<String>) -> Result<bool> {
-    match get(USE_AGENT_STORE_VAR).as_deref().map(str::trim) {
-        None | Some("" | "False" | "false" | "0") => Ok(false),
-        Some("True" | "true" | "1") => Ok(true),
-        Some(v) => Err(DdpError::InvalidEnv {
-            var: USE_AGENT_STORE_VAR,
-            value: v.to_string(),
-            expected: "True or False".into(),
-        }),
-    }
-}
-
-/// The key prefix of one attempt of a job in torchrun's store, which outlives restarts: keys
-/// of earlier attempts are never seen by later ones. PyTorch itself uses
-/// `/worker/attempt_{n}` for its own keys.
-pub fn store_namespace(restart_count: usize) -> String {
-    format!("burn_ddp/attempt_{restart_count}/")
 }
 
 /// Whether this process already wrote its error file.
@@ -147,39 +126,6 @@ pub(crate) fn json_string(s: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn lookup<'a>(vars: &'a [(&'a str, &'a str)]) -> impl Fn(&str) -> Option<String> + 'a {
-        move |k| {
-            vars.iter()
-                .find(|(n, _)| *n == k)
-                .map(|(_, v)| v.to_string())
-        }
-    }
-
-    #[test]
-    fn ours_takes_precedence_over_torchrun_restart_count() {
-        assert_eq!(restart_count_from(lookup(&[])).unwrap(), 0);
-        let torchrun = [(TORCHELASTIC_RESTART_COUNT_VAR, "2")];
-        assert_eq!(restart_count_from(lookup(&torchrun)).unwrap(), 2);
-        let both = [
-            (TORCHELASTIC_RESTART_COUNT_VAR, "2"),
-            (RESTART_COUNT_VAR, "5"),
-        ];
-        assert_eq!(restart_count_from(lookup(&both)).unwrap(), 5);
-        let bad = [(TORCHELASTIC_RESTART_COUNT_VAR, "two")];
-        let e = restart_count_from(lookup(&bad)).unwrap_err().to_string();
-        assert!(e.contains(TORCHELASTIC_RESTART_COUNT_VAR), "{e}");
-    }
-
-    #[test]
-    fn agent_store_flag_reads_pythons_spelling() {
-        for (v, on) in [("True", true), ("1", true), ("False", false), ("", false)] {
-            let vars = [(USE_AGENT_STORE_VAR, v)];
-            assert_eq!(uses_agent_store(lookup(&vars)).unwrap(), on, "{v:?}");
-        }
-        assert!(!uses_agent_store(lookup(&[])).unwrap());
-        assert!(uses_agent_store(lookup(&[(USE_AGENT_STORE_VAR, "yes")])).is_err());
-    }
 
     #[test]
     fn error_file_has_torchruns_layout_and_escapes() {

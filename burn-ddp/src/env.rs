@@ -9,14 +9,15 @@
 //!
 //! Under torchrun (`TORCHELASTIC_USE_AGENT_STORE=True`) torchrun's agent already serves a
 //! PyTorch c10d store at `MASTER_ADDR:MASTER_PORT`: no rank serves one, every rank joins that
-//! store as a client, under a key prefix of the attempt (see [`crate::elastic`]).
+//! store as a client, under a key prefix of the attempt ([`store_namespace`]).
+//!
+//! Every `BURN_DDP_*` variable of the library is read here (the README's table lists them).
 
 pub mod slurm;
 
 use std::time::Duration;
 
 use crate::collectives::{TRANSPORT_VAR, Transport};
-use crate::elastic;
 use crate::error::{DdpError, Result};
 use crate::secret::{JobSecret, SECRET_VAR};
 use crate::store::StoreKind;
@@ -29,6 +30,15 @@ pub const STORE_BIND_VAR: &str = "BURN_DDP_STORE_BIND";
 pub const SOCKET_IFNAME_VAR: &str = "BURN_DDP_SOCKET_IFNAME";
 /// Gloo's name for the same, read when [`SOCKET_IFNAME_VAR`] is unset.
 pub const GLOO_SOCKET_IFNAME_VAR: &str = "GLOO_SOCKET_IFNAME";
+
+/// Set by `burn-ddp-run` in each rank's environment: which restart of the job the rank
+/// belongs to (0: the first start).
+pub const RESTART_COUNT_VAR: &str = "BURN_DDP_RESTART_COUNT";
+/// Set by `burn-ddp-run` in each rank's environment: the launcher's process id, so that a rank
+/// dies with its launcher ([`crate::elastic::die_with_launcher`]).
+pub const LAUNCHER_PID_VAR: &str = "BURN_DDP_LAUNCHER_PID";
+/// How long a silent link may take to fail, in seconds (default 30; see [`link_timeout`]).
+pub const LINK_TIMEOUT_VAR: &str = "BURN_DDP_LINK_TIMEOUT";
 
 /// Default rendezvous port, the same as PyTorch's.
 pub const DEFAULT_MASTER_PORT: u16 = 29500;
@@ -230,11 +240,11 @@ impl LaunchEnv {
                 _ => return Err(invalid("MASTER_PORT", &v, "a TCP port number in 1..=65535")),
             },
         };
-        let restart_count = elastic::restart_count_from(get)?;
-        let torchrun_store = elastic::uses_agent_store(get)?;
+        let restart_count = restart_count_from(get)?;
+        let torchrun_store = uses_agent_store(get)?;
         let store_kind = if torchrun_store {
             StoreKind::C10d {
-                namespace: elastic::store_namespace(restart_count),
+                namespace: store_namespace(restart_count),
             }
         } else {
             StoreKind::BurnDdp
@@ -311,4 +321,111 @@ fn parse_seconds(
             _ => Err(invalid(var, &v, "a positive number of seconds")),
         })
         .transpose()
+}
+/// `True` when torchrun's agent serves a c10d `TCPStore` at `MASTER_ADDR:MASTER_PORT`, which
+/// the ranks then join as clients instead of rank 0 serving one.
+pub const USE_AGENT_STORE_VAR: &str = "TORCHELASTIC_USE_AGENT_STORE";
+/// How many times torchrun restarted the workers (0 on the first start).
+pub const TORCHELASTIC_RESTART_COUNT_VAR: &str = "TORCHELASTIC_RESTART_COUNT";
+/// The restart count from `get`: `BURN_DDP_RESTART_COUNT` (burn-ddp-run) if set, else
+/// `TORCHELASTIC_RESTART_COUNT` (torchrun), else 0.
+pub fn restart_count_from(get: impl Fn(&str) -> Option<String>) -> Result<usize> {
+    for var in [RESTART_COUNT_VAR, TORCHELASTIC_RESTART_COUNT_VAR] {
+        if let Some(v) = get(var).filter(|v| !v.trim().is_empty()) {
+            return v.trim().parse().map_err(|_| DdpError::InvalidEnv {
+                var,
+                value: v.clone(),
+                expected: "a non-negative integer".into(),
+            });
+        }
+    }
+    Ok(0)
+}
+
+/// Whether `get` says torchrun's agent serves the store (`TORCHELASTIC_USE_AGENT_STORE`, which
+/// PyTorch compares with `"True"`; `true` and `1` are accepted too).
+pub fn uses_agent_store(get: impl Fn(&str) -> Option<String>) -> Result<bool> {
+    match get(USE_AGENT_STORE_VAR).as_deref().map(str::trim) {
+        None | Some("" | "False" | "false" | "0") => Ok(false),
+        Some("True" | "true" | "1") => Ok(true),
+        Some(v) => Err(DdpError::InvalidEnv {
+            var: USE_AGENT_STORE_VAR,
+            value: v.to_string(),
+            expected: "True or False".into(),
+        }),
+    }
+}
+
+/// The key prefix of one attempt of a job in torchrun's store, which outlives restarts: keys
+/// of earlier attempts are never seen by later ones. PyTorch itself uses
+/// `/worker/attempt_{n}` for its own keys.
+pub fn store_namespace(restart_count: usize) -> String {
+    format!("burn_ddp/attempt_{restart_count}/")
+}
+
+/// How long a link may stay silent (no acknowledgement of data or of keepalive probes) before
+/// its connection fails: `BURN_DDP_LINK_TIMEOUT` seconds (at least 1), or 30.
+pub fn link_timeout() -> Duration {
+    std::env::var(LINK_TIMEOUT_VAR)
+        .ok()
+        .and_then(|v| v.trim().parse::<f64>().ok())
+        .filter(|s| *s >= 1.0)
+        .map(Duration::from_secs_f64)
+        .unwrap_or(Duration::from_secs(30))
+}
+
+/// This process's restart count ([`restart_count_from`] on the process environment; 0 when
+/// unreadable).
+pub(crate) fn process_restart_count() -> usize {
+    restart_count_from(|name| std::env::var(name).ok()).unwrap_or(0)
+}
+
+/// The process id of the `burn-ddp-run` that started this process, when it did.
+pub(crate) fn launcher_pid() -> Option<i32> {
+    std::env::var(LAUNCHER_PID_VAR)
+        .ok()
+        .and_then(|v| v.parse::<i32>().ok())
+}
+
+/// The job secret a launcher was given in its own environment (`BURN_DDP_SECRET`).
+pub(crate) fn launcher_secret() -> Option<String> {
+    std::env::var(SECRET_VAR).ok()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn lookup<'a>(vars: &'a [(&'a str, &'a str)]) -> impl Fn(&str) -> Option<String> + 'a {
+        move |k| {
+            vars.iter()
+                .find(|(n, _)| *n == k)
+                .map(|(_, v)| v.to_string())
+        }
+    }
+
+    #[test]
+    fn ours_takes_precedence_over_torchrun_restart_count() {
+        assert_eq!(restart_count_from(lookup(&[])).unwrap(), 0);
+        let torchrun = [(TORCHELASTIC_RESTART_COUNT_VAR, "2")];
+        assert_eq!(restart_count_from(lookup(&torchrun)).unwrap(), 2);
+        let both = [
+            (TORCHELASTIC_RESTART_COUNT_VAR, "2"),
+            (RESTART_COUNT_VAR, "5"),
+        ];
+        assert_eq!(restart_count_from(lookup(&both)).unwrap(), 5);
+        let bad = [(TORCHELASTIC_RESTART_COUNT_VAR, "two")];
+        let e = restart_count_from(lookup(&bad)).unwrap_err().to_string();
+        assert!(e.contains(TORCHELASTIC_RESTART_COUNT_VAR), "{e}");
+    }
+
+    #[test]
+    fn agent_store_flag_reads_pythons_spelling() {
+        for (v, on) in [("True", true), ("1", true), ("False", false), ("", false)] {
+            let vars = [(USE_AGENT_STORE_VAR, v)];
+            assert_eq!(uses_agent_store(lookup(&vars)).unwrap(), on, "{v:?}");
+        }
+        assert!(!uses_agent_store(lookup(&[])).unwrap());
+        assert!(uses_agent_store(lookup(&[(USE_AGENT_STORE_VAR, "yes")])).is_err());
+    }
 }

@@ -23,33 +23,6 @@ macro_rules! say {
 
 #[cfg(target_os = "linux")]
 pub mod cluster;
-/// The launcher's process id, in each rank's environment: a rank whose parent is that launcher
-/// asks the kernel to kill it when the launcher dies ([`die_with_launcher`]).
-pub const LAUNCHER_PID_VAR: &str = "BURN_DDP_LAUNCHER_PID";
-
-/// Makes this rank die with the `burn-ddp-run` that started it (`PR_SET_PDEATHSIG`), so a
-/// launcher killed outright (SIGKILL, a lost node) takes its ranks along and their peers see
-/// them gone, as torchrun's agent takes its workers. Does nothing when this process was not
-/// started by our launcher, or when the launcher is already gone.
-pub fn die_with_launcher() {
-    #[cfg(target_os = "linux")]
-    {
-        use rustix::process::{Signal, getppid, set_parent_process_death_signal};
-        let launcher = std::env::var(LAUNCHER_PID_VAR)
-            .ok()
-            .and_then(|v| v.parse::<i32>().ok());
-        let parent = getppid().map(|p| p.as_raw_nonzero().get());
-        if launcher.is_some() && launcher == parent {
-            if let Err(e) = set_parent_process_death_signal(Some(Signal::KILL)) {
-                log::warn!("could not tie this rank's life to its launcher's: {e}");
-            }
-            // The launcher may have died between the check and the call.
-            if getppid().map(|p| p.as_raw_nonzero().get()) != launcher {
-                std::process::exit(1);
-            }
-        }
-    }
-}
 
 mod exits;
 mod forward;
@@ -68,7 +41,7 @@ use forward::Forwarder;
 use libraries::LibraryLinks;
 use output::OutputPlan;
 
-use crate::env::AGENT_STORE_VAR;
+use crate::env::{AGENT_STORE_VAR, LAUNCHER_PID_VAR, RESTART_COUNT_VAR};
 use crate::error::{DdpError, Result};
 use crate::failure::{FAILURE_KEY, FailureRecord};
 use crate::secret::{JobSecret, SECRET_VAR};
@@ -177,11 +150,11 @@ pub fn launch(cfg: &LaunchConfig) -> Result<()> {
             "with several nodes, give the same master port to every node".into(),
         ));
     }
-    let secret = match (&cfg.secret, std::env::var(SECRET_VAR)) {
+    let secret = match (&cfg.secret, crate::env::launcher_secret()) {
         (Some(s), _) => s.clone(),
-        (None, Ok(v)) => JobSecret::new(v)?,
-        (None, Err(_)) if cfg.nnodes == 1 => JobSecret::generate()?,
-        (None, Err(_)) => {
+        (None, Some(v)) => JobSecret::new(v)?,
+        (None, None) if cfg.nnodes == 1 => JobSecret::generate()?,
+        (None, None) => {
             return Err(DdpError::MissingEnv {
                 var: SECRET_VAR,
                 why: "with several nodes, every node's launcher needs the same job secret \
@@ -224,10 +197,6 @@ pub fn launch(cfg: &LaunchConfig) -> Result<()> {
 /// How long the launcher waits for the rank the others blame to exit, before naming the rank
 /// whose exit it saw first.
 const CULPRIT_GRACE: Duration = Duration::from_secs(2);
-
-/// Environment variable telling a rank which restart of the job it belongs to (0: the first
-/// start).
-pub const RESTART_COUNT_VAR: &str = "BURN_DDP_RESTART_COUNT";
 
 /// One start of every rank of this node, to completion or to the first failure.
 fn run_attempt(

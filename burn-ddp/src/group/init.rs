@@ -37,7 +37,7 @@ impl ProcessGroup {
     /// from [`ProcessGroup::builder_from_env`]. A failure is also written to torchrun's error
     /// file, when there is one ([`crate::elastic::record_error`]).
     pub fn from_env_with(options: GroupOptions) -> Result<Self> {
-        crate::launch::die_with_launcher();
+        crate::elastic::die_with_launcher();
         let group =
             LaunchEnv::from_env().and_then(|env| Self::builder_from_env(&env, options).build());
         group.inspect_err(|e| crate::elastic::record_error(e))
