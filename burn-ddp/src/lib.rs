@@ -76,9 +76,8 @@ mod sync;
 pub mod train;
 mod wire;
 
-pub use collectives::{
-    Broadcastable, DType, Element, Gatherable, Reduce, ReduceOp, Reducible, Work,
-};
+// `DType` and `Element` stay in `collectives`: at the root they would shadow burn's own names.
+pub use collectives::{Broadcastable, Gatherable, Reduce, ReduceOp, Reducible, Work};
 pub use collectives::{TRANSPORT_VAR, Transport};
 pub use error::{DdpError, Result};
 pub use group::{

@@ -15,12 +15,13 @@ pub(crate) mod device;
 pub(crate) mod reduce;
 pub(crate) mod shm;
 pub(crate) mod tcp;
+mod transport;
 mod work;
 
 use half::{bf16, f16};
 
 pub use buffer::{Broadcastable, Gatherable, Reducible};
-pub use shm::setup::{TRANSPORT_VAR, Transport};
+pub use transport::{TRANSPORT_VAR, Transport};
 pub use work::Work;
 
 /// The [`Element`] types a collective can carry, as a value: named in messages and sent as a
