@@ -7,7 +7,7 @@ use crate::error::Result;
 use crate::store::Store;
 
 /// Store key of the record.
-pub(crate) const FAILURE_KEY: &str = "bddp/abort";
+pub(crate) const FAILURE_KEY: &str = crate::store::keys::FAILURE;
 
 /// What went wrong first in a group.
 #[derive(Debug, Clone, PartialEq, Eq)]

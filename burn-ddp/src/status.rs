@@ -20,7 +20,7 @@ pub const PUBLISH_INTERVAL: Duration = Duration::from_millis(100);
 
 /// The store key of a rank's status.
 pub fn status_key(rank: usize) -> String {
-    format!("bddp/status/{rank}")
+    crate::store::keys::status(rank)
 }
 
 /// What a rank is doing, coarsely.

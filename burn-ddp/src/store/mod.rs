@@ -11,6 +11,7 @@
 //! keep yours out of that prefix.
 
 mod c10d;
+pub(crate) mod keys;
 mod native;
 mod protocol;
 mod server;
@@ -29,7 +30,7 @@ use native::{Handshake, NativeClient};
 const ANSWER_MARGIN: Duration = Duration::from_secs(10);
 
 /// Store key of the job secret ranks agree on when the launcher gave them none (c10d only).
-pub const SECRET_KEY: &str = "bddp/secret";
+pub const SECRET_KEY: &str = keys::SECRET;
 
 /// Which kind of store a process group joins.
 #[derive(Debug, Clone, PartialEq, Eq, Default)]

@@ -17,7 +17,7 @@ use super::ShmChannel;
 use super::segment::{self, Layout};
 use crate::collectives::{TRANSPORT_VAR, Transport};
 use crate::error::{DdpError, Result};
-use crate::store::Store;
+use crate::store::{Store, keys};
 
 /// What a rank asks of the rendezvous.
 pub(crate) struct ShmRequest {
@@ -99,10 +99,10 @@ pub(crate) fn negotiate(
     let fail = |reason: String| DdpError::Rendezvous { rank, reason };
     let ident = req.host.clone().or_else(host_identity).unwrap_or_default();
     store.set(
-        &format!("bddp/shm/host/{rank}"),
+        &keys::per_rank(keys::SHM_HOST, rank),
         format!("{}\n{}\n{ident}", req.mode, req.slot_bytes).as_bytes(),
     )?;
-    let records = gather(store, "bddp/shm/host", world, deadline)?;
+    let records = gather(store, keys::SHM_HOST, world, deadline)?;
     let mut asks = Vec::with_capacity(world);
     for (r, raw) in records.iter().enumerate() {
         let mut fields = raw.splitn(3, '\n');
@@ -140,7 +140,7 @@ pub(crate) fn negotiate(
     // Every host cuts buffers alike (rank 0's slot size), so pieces match across hosts.
     let layout = Layout::new(hosts[host].len(), asks[0].1);
     let len = layout.len();
-    let key = format!("bddp/shm/segment/{host}");
+    let key = keys::shm_segment(host);
     let mut created = None;
     let mapped = if local == 0 {
         let made = segment::segment_name(req.port).and_then(|name| {
@@ -174,8 +174,8 @@ pub(crate) fn negotiate(
         Ok(_) => "ok".to_string(),
         Err(e) => e.clone(),
     };
-    store.set(&format!("bddp/shm/mapped/{rank}"), report.as_bytes())?;
-    let reports = gather(store, "bddp/shm/mapped", world, deadline);
+    store.set(&keys::per_rank(keys::SHM_MAPPED, rank), report.as_bytes())?;
+    let reports = gather(store, keys::SHM_MAPPED, world, deadline);
     // Every rank has mapped it or given up: the name goes, the mappings stay.
     if let Some(mut c) = created {
         c.unlink();
@@ -222,9 +222,10 @@ pub(crate) fn negotiate(
 
 /// Waits for `prefix/<rank>` of every rank and returns the values in rank order.
 fn gather(store: &Store, prefix: &str, world: usize, deadline: Instant) -> Result<Vec<String>> {
-    let keys: Vec<String> = (0..world).map(|r| format!("{prefix}/{r}")).collect();
-    store.wait(&keys, deadline.saturating_duration_since(Instant::now()))?;
-    keys.iter()
+    let names: Vec<String> = (0..world).map(|r| keys::per_rank(prefix, r)).collect();
+    store.wait(&names, deadline.saturating_duration_since(Instant::now()))?;
+    names
+        .iter()
         .map(|k| Ok(String::from_utf8_lossy(&store.get(k)?).into_owned()))
         .collect()
 }

@@ -48,7 +48,7 @@ fn parse_claims(b: &[u8]) -> Option<(usize, usize)> {
 }
 
 fn addr_key(rank: usize) -> String {
-    format!("bddp/mesh/addr/{rank}")
+    crate::store::keys::mesh_addr(rank)
 }
 
 /// Claims `rank` in the store, so that a second process started with the same rank stops at
@@ -61,7 +61,7 @@ fn claim_rank(rank: usize, world: usize, store: &Store) -> Result<()> {
         std::process::id(),
         store.local_addr().ip()
     );
-    let owner = store.compare_set(&format!("bddp/mesh/rank/{rank}"), b"", me.as_bytes())?;
+    let owner = store.compare_set(&crate::store::keys::mesh_claim(rank), b"", me.as_bytes())?;
     if owner != me.as_bytes() {
         return Err(DdpError::Rendezvous {
             rank,
