@@ -19,10 +19,13 @@ use crate::failure::FailureRecord;
 use crate::status::StatusBoard;
 use crate::store::{Store, StoreServer};
 
+mod agreement;
 mod builder;
 mod init;
 mod worker;
 
+#[cfg(all(test, feature = "nccl"))]
+pub(crate) use agreement::Said;
 pub use builder::{GroupOptions, ProcessGroupBuilder};
 pub use init::{init_process_group, init_process_group_with};
 #[cfg(feature = "nccl")]

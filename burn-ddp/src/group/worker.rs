@@ -84,7 +84,7 @@ impl Worker {
     }
 
     /// This rank.
-    #[cfg(feature = "train")]
+    #[cfg(feature = "nccl")]
     pub(crate) fn rank(&self) -> usize {
         self.rank
     }

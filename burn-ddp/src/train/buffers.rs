@@ -18,6 +18,7 @@ use super::params::{Assign, Flatten, Select, flat_values, layout};
 use crate::ProcessGroup;
 use crate::collectives::{ReduceOp, Work};
 use crate::error::{DdpError, Result};
+use crate::wire::Writer;
 
 /// How `DdpLearner` keeps buffers (float state without gradient, such as BatchNorm's running
 /// statistics) identical across ranks.
@@ -144,14 +145,11 @@ pub(crate) fn check_replicas(group: &ProcessGroup, values: &[f32], when: &str) -
     if group.world_size() == 1 {
         return Ok(());
     }
-    let all = group
-        .all_gather(
-            checksum(bytemuck::cast_slice(values))
-                .to_le_bytes()
-                .to_vec(),
-        )
-        .wait()?;
-    let differ: Vec<usize> = (1..all.len()).filter(|&r| all[r] != all[0]).collect();
+    let hash = Writer::default()
+        .u64(checksum(bytemuck::cast_slice(values)))
+        .buf
+        .clone();
+    let differ = group.gather_said(hash)?.differing();
     if differ.is_empty() {
         return Ok(());
     }

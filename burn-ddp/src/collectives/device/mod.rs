@@ -145,25 +145,38 @@ fn route(group: &ProcessGroup, device: &Device) -> Result<Route> {
 /// Every rank's kind of device, gathered (one small host gather): a rank on another kind than
 /// the others is an error that names it on every rank, not a hang between two transports.
 fn agree(w: &mut Worker, kind: Kind, device: &str) -> Result<()> {
-    let rank = w.rank();
-    let mine = Writer::default().u8(kind.code()).buf.clone();
-    let all = w.run(|t| t.all_gather(&mine))?;
-    for (other, theirs) in all.iter().enumerate() {
-        let code = Reader::new(theirs).u8().ok();
-        if code != Some(kind.code()) {
-            let theirs = [Kind::Cuda, Kind::Host]
-                .into_iter()
-                .find(|k| Some(k.code()) == code)
-                .map_or("unknown", Kind::name);
-            return Err(DdpError::Disagreement(format!(
-                "rank {rank} has its tensors on a device of kind \"{}\" ({device}) but rank \
-                 {other} on one of kind \"{theirs}\": every rank must train on the same kind \
-                 of device",
-                kind.name()
-            )));
-        }
-    }
-    Ok(())
+    let mine = Writer::default()
+        .u8(kind.code())
+        .bytes(device.as_bytes())
+        .buf
+        .clone();
+    let said = w.gather_said(&mine)?;
+    let described = |r: usize| {
+        let mut reader = Reader::new(&said.all[r]);
+        let code = reader.u8().ok();
+        let kind = [Kind::Cuda, Kind::Host]
+            .into_iter()
+            .find(|k| Some(k.code()) == code)
+            .map_or("unknown", Kind::name);
+        let device = reader
+            .bytes()
+            .map(String::from_utf8_lossy)
+            .unwrap_or_default();
+        (kind, device.into_owned())
+    };
+    let (kind_0, device_0) = described(0);
+    let differ = said
+        .differing()
+        .into_iter()
+        .find(|&r| described(r).0 != kind_0);
+    let Some(other) = differ else {
+        return Ok(());
+    };
+    let (kind, device) = described(other);
+    Err(DdpError::Disagreement(format!(
+        "rank 0 has its tensors on a device of kind \"{kind_0}\" ({device_0}) but rank {other} \
+         on one of kind \"{kind}\" ({device}): every rank must train on the same kind of device"
+    )))
 }
 
 impl sealed::Sealed for Tensor<1> {}

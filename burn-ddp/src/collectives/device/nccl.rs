@@ -141,10 +141,9 @@ pub(super) fn all_gather(
     let shape = gather_shape(n, tensor.dtype());
     let started = comm.start_all_gather(tensor);
     group.on_worker(move |w| {
-        let rank = w.rank();
-        let all = w.run(|t| t.all_gather(shape.as_bytes()))?;
-        if let Some(reason) = shape_mismatch(rank, &shape, &all) {
-            return Err(invalid(rank, "all_gather", reason));
+        let said = w.gather_said(shape.as_bytes())?;
+        if let Some(reason) = shape_mismatch(&said.all, said.first_differing()) {
+            return Err(invalid(w.rank(), "all_gather", reason));
         }
         let all = wait(w, "NCCL all_gather", started)?;
         Ok((0..world)
@@ -158,16 +157,15 @@ fn gather_shape(n: usize, dtype: burn::tensor::DType) -> String {
     format!("{n} x {dtype:?}")
 }
 
-/// The first rank whose gathered shape differs from this rank's, in words.
-fn shape_mismatch(rank: usize, mine: &str, all: &[Vec<u8>]) -> Option<String> {
-    let (other, theirs) = all
-        .iter()
-        .enumerate()
-        .find(|(_, s)| s.as_slice() != mine.as_bytes())?;
+/// The disagreement of the gathered shapes `all`, where rank `differing` differs from rank 0,
+/// in words.
+fn shape_mismatch(all: &[Vec<u8>], differing: Option<usize>) -> Option<String> {
+    let other = differing?;
     Some(format!(
-        "rank {rank} gathers {mine} but rank {other} {}: tensors gathered must have the same \
-         length and element type on every rank",
-        String::from_utf8_lossy(theirs)
+        "rank 0 gathers {} but rank {other} {}: tensors gathered must have the same length and \
+         element type on every rank",
+        String::from_utf8_lossy(&all[0]),
+        String::from_utf8_lossy(&all[other])
     ))
 }
 
@@ -185,6 +183,7 @@ fn wait(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::group::Said;
     use burn::tensor::DType;
 
     #[test]
@@ -211,27 +210,24 @@ mod tests {
 
     #[test]
     fn gathers_compare_length_and_type() {
+        let said = |shapes: &[String]| Said {
+            all: shapes.iter().map(|s| s.clone().into_bytes()).collect(),
+        };
         let mine = gather_shape(10, DType::BF16);
-        let same = vec![mine.clone().into_bytes(); 3];
-        assert_eq!(shape_mismatch(0, &mine, &same), None);
+        let same = said(&[mine.clone(), mine.clone(), mine.clone()]);
+        assert_eq!(shape_mismatch(&same.all, same.first_differing()), None);
         // Same bytes, other type: 10 bf16 against 5 f32.
-        let other = vec![
-            mine.clone().into_bytes(),
-            gather_shape(5, DType::F32).into_bytes(),
-        ];
+        let other = said(&[mine.clone(), gather_shape(5, DType::F32)]);
         assert_eq!(
-            shape_mismatch(0, &mine, &other).unwrap(),
+            shape_mismatch(&other.all, other.first_differing()).unwrap(),
             "rank 0 gathers 10 x BF16 but rank 1 5 x F32: tensors gathered must have the same \
              length and element type on every rank"
         );
-        let typed = vec![
-            gather_shape(10, DType::F16).into_bytes(),
-            mine.clone().into_bytes(),
-        ];
+        let typed = said(&[gather_shape(10, DType::F16), mine.clone(), mine]);
+        let message = shape_mismatch(&typed.all, typed.first_differing()).unwrap();
         assert!(
-            shape_mismatch(1, &mine, &typed)
-                .unwrap()
-                .contains("rank 0 10 x F16")
+            message.contains("rank 0 gathers 10 x F16 but rank 1 10 x BF16"),
+            "{message}"
         );
     }
 }
