@@ -19,6 +19,7 @@ use crate::failure::FailureRecord;
 use crate::status::StatusBoard;
 use crate::store::{Store, StoreServer};
 
+#[cfg(feature = "train")]
 mod agreement;
 mod builder;
 mod init;

@@ -36,7 +36,6 @@ impl ProcessGroup {
 
 impl Worker {
     /// As [`ProcessGroup::gather_said`], on the collective thread.
-    #[cfg(feature = "train")]
     pub(crate) fn gather_said(&mut self, mine: &[u8]) -> Result<Said> {
         Ok(Said {
             all: self.run(|t| t.all_gather(mine))?,
