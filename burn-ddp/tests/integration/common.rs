@@ -89,7 +89,8 @@ pub fn store_answer(code: u8, proof: [u8; 32]) -> Vec<u8> {
     [&[code][..], &proof].concat()
 }
 
-fn splitmix(mut x: u64) -> u64 {
+/// SplitMix64: a well-mixed 64-bit value of `x` (deterministic test data).
+pub fn splitmix(mut x: u64) -> u64 {
     x = x.wrapping_add(0x9e37_79b9_7f4a_7c15);
     x = (x ^ (x >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
     x = (x ^ (x >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
@@ -159,4 +160,33 @@ pub fn digest(bytes: &[u8]) -> u64 {
     let mut h = std::hash::DefaultHasher::new();
     h.write(bytes);
     h.finish()
+}
+
+/// ‖a − b‖ / ‖b‖.
+pub fn relative_error(a: &[f32], b: &[f32]) -> f64 {
+    assert_eq!(a.len(), b.len());
+    let diff: f64 = a
+        .iter()
+        .zip(b)
+        .map(|(x, y)| (*x as f64 - *y as f64).powi(2))
+        .sum();
+    let norm: f64 = b.iter().map(|y| (*y as f64).powi(2)).sum();
+    (diff / norm).sqrt()
+}
+
+/// max |a − b| / max |b|: the largest error relative to the largest value.
+pub fn max_relative_error(a: &[f32], b: &[f32]) -> f64 {
+    assert_eq!(a.len(), b.len());
+    let diff = a
+        .iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs() as f64)
+        .fold(0.0, f64::max);
+    let scale = b.iter().map(|y| y.abs() as f64).fold(1e-12, f64::max);
+    diff / scale
+}
+
+/// The device the CPU tests train on: burn's `flex`, with autodiff.
+pub fn flex() -> burn::tensor::Device {
+    burn::tensor::Device::flex().autodiff()
 }

@@ -7,18 +7,11 @@ use std::time::{Duration, Instant};
 use burn_ddp::{ProcessGroup, ReduceOp};
 use half::{bf16, f16};
 
-use crate::common::{TestFloat, options, run_world};
+use crate::common::{TestFloat, options, run_world, splitmix};
 
 const WORLD: usize = 4;
 /// Largest buffer, in elements (4 MiB of f32).
 const MAX_LEN: usize = 1 << 20;
-
-fn splitmix(mut x: u64) -> u64 {
-    x = x.wrapping_add(0x9e37_79b9_7f4a_7c15);
-    x = (x ^ (x >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-    x = (x ^ (x >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-    x ^ (x >> 31)
-}
 
 /// A small integer in -8..8 for (iteration, rank, index): sums of 4 are exact in every type.
 fn int(iter: u64, rank: usize, i: usize) -> f32 {

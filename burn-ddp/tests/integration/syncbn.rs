@@ -13,7 +13,7 @@ use burn::tensor::{Device, Tensor, TensorData};
 use burn_ddp::nn::{self, BatchNormSyncExt, SyncBatchNorm};
 use burn_ddp::{ProcessGroup, ReduceOp};
 
-use crate::common::{options, run_world, value};
+use crate::common::{flex, max_relative_error, options, run_world, value};
 
 const FEATURES: usize = 5;
 const HIDDEN: usize = 4;
@@ -95,10 +95,6 @@ fn sum_grad<const D: usize>(
     grads.register::<D>(p.id, summed.reshape(shape));
 }
 
-fn flex() -> Device {
-    Device::flex().autodiff()
-}
-
 /// The initial weights of a run (a BatchNorm model's record: the SyncBatchNorm model loads it,
 /// which also checks that the records agree). Made once and given to every rank: burn's seeded
 /// initialisation is not per thread.
@@ -173,18 +169,6 @@ fn train_world(
     })
 }
 
-/// max |a - b| / max |b|.
-fn relative_error(a: &[f32], b: &[f32]) -> f64 {
-    assert_eq!(a.len(), b.len());
-    let diff = a
-        .iter()
-        .zip(b)
-        .map(|(x, y)| (x - y).abs() as f64)
-        .fold(0.0, f64::max);
-    let scale = b.iter().map(|y| y.abs() as f64).fold(1e-12, f64::max);
-    diff / scale
-}
-
 /// World `sizes.len()` with SyncBatchNorm, rank r with `sizes[r]` samples, on `device`, against
 /// one process with BatchNorm and the whole batch (also what `crate::wgpu` runs).
 pub(crate) fn matches_reference(device: &Device, sizes: &[usize]) {
@@ -192,7 +176,7 @@ pub(crate) fn matches_reference(device: &Device, sizes: &[usize]) {
     let reference = train_reference(device, &init, sizes.iter().sum());
     for (rank, state) in train_world(device, &init, sizes).iter().enumerate() {
         for ((name, got), (_, want)) in state.iter().zip(&reference) {
-            let err = relative_error(got, want);
+            let err = max_relative_error(got, want);
             eprintln!("sizes {sizes:?}, rank {rank}: {name}: relative error {err:.2e}");
             assert!(
                 err <= 1e-5,
@@ -275,7 +259,7 @@ fn eval_uses_running_statistics_and_communicates_nothing() {
             let frozen = floats(sync.clone().freeze().forward(eval_input(&flex())));
             assert_eq!(group.all_reduce_count(), before, "eval issued a collective");
             for (name, got) in [("valid", &plain), ("frozen", &frozen)] {
-                let err = relative_error(got, &want);
+                let err = max_relative_error(got, &want);
                 eprintln!("eval ({name}): relative error {err:.2e}");
                 assert!(err <= 1e-6, "{name}: {got:?} vs {want:?}");
             }

@@ -14,7 +14,7 @@ use burn_ddp::train::{Compression, GradientReducer};
 use super::lockstep::ManualRank;
 use super::model::{Net, flex, new_net};
 use super::{assert_identical, small_buckets};
-use crate::common::{options, run_world};
+use crate::common::{max_relative_error, options, run_world};
 
 /// Every gradient in `grads`, flattened in the model's visit order.
 fn flat_grads(model: &Net, grads: &GradientsParams) -> Vec<f32> {
@@ -30,17 +30,6 @@ fn flat_grads(model: &Net, grads: &GradientsParams) -> Vec<f32> {
     let mut c = Collect(grads, Vec::new());
     model.visit(&mut c);
     c.1
-}
-
-/// max |a - b| / max |b|.
-fn max_relative(a: &[f32], b: &[f32]) -> f32 {
-    assert_eq!(a.len(), b.len());
-    let diff = a
-        .iter()
-        .zip(b)
-        .map(|(x, y)| (x - y).abs())
-        .fold(0.0, f32::max);
-    diff / b.iter().map(|y| y.abs()).fold(f32::MIN_POSITIVE, f32::max)
 }
 
 /// On `world` ranks, each rank's gradients of its first batch reduced with and without
@@ -77,7 +66,7 @@ fn compressed_reductions_match_within_the_formats_precision() {
             assert_identical(&all);
             let (approx, exact) = &ranks[0];
             assert!(!exact.is_empty());
-            let err = max_relative(approx, exact);
+            let err = max_relative_error(approx, exact);
             eprintln!("{compression}, world {world}: max relative error {err:e}");
             assert!(err <= tolerance, "{compression}, world {world}: {err:e}");
             assert!(

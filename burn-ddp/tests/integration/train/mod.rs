@@ -35,6 +35,7 @@ use burn::train::SupervisedTraining;
 use burn_ddp::train::{BucketConfig, DdpLearner, DdpTraining, QuietRenderer};
 
 use crate::common::digest;
+pub(crate) use crate::common::relative_error;
 use model::{Net, Points, ToBatch};
 
 /// Small buckets, so that several are in flight per step.
@@ -53,18 +54,6 @@ fn thread_dir(what: &str) -> std::path::PathBuf {
         std::process::id(),
         std::thread::current().id()
     ))
-}
-
-/// ‖a − b‖ / ‖b‖.
-fn relative_error(a: &[f32], b: &[f32]) -> f64 {
-    assert_eq!(a.len(), b.len());
-    let diff: f64 = a
-        .iter()
-        .zip(b)
-        .map(|(x, y)| (*x as f64 - *y as f64).powi(2))
-        .sum();
-    let norm: f64 = b.iter().map(|y| (*y as f64).powi(2)).sum();
-    (diff / norm).sqrt()
 }
 
 /// Every rank's parameters have rank 0's bytes.

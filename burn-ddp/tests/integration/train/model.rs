@@ -246,10 +246,7 @@ pub(crate) fn record_steps(on: bool) -> Vec<u64> {
     STEP_DIGESTS.with_borrow_mut(|d| std::mem::replace(d, on.then(Vec::new)).unwrap_or_default())
 }
 
-/// The device the CPU tests train on.
-pub(crate) fn flex() -> Device {
-    Device::flex().autodiff()
-}
+pub(crate) use crate::common::flex;
 
 /// Serialises seeding and initialisation across test threads.
 static SEED_LOCK: Mutex<()> = Mutex::new(());
