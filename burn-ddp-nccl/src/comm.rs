@@ -8,7 +8,8 @@
 //! `Fusion<CubeBackend>`). So this crate turns fusion on itself, making `Cube` one type in every
 //! build, and reaches the buffer through the fusion client: `resolve_tensor_float` runs what is
 //! queued for the tensor and hands over its `CubeTensor`; the result goes back as a fusion
-//! tensor registered with an `Init` operation, as burn-fusion's own `float_from_data` does.
+//! tensor registered with an `Init` operation, as burn-fusion's own `float_from_data` does
+//! (`buffer.rs`).
 //!
 //! **Out of place.** Every collective writes a new buffer: the input may be shared (a clone of
 //! the tensor, a view of a parameter), and writing into it would change the caller's other
@@ -31,28 +32,16 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use burn::backend::Cuda;
-use burn::tensor::{Device, Tensor};
-use burn_cubecl::CubeBackend;
-use burn_cubecl::cubecl::future::{DynFut, block_on};
-use burn_cubecl::fusion::FusionCubeRuntime;
-use burn_cubecl::kernel::into_contiguous;
-use burn_cubecl::tensor::CubeTensor;
-use burn_fusion::stream::StreamId;
-use burn_fusion::{FusionTensor, NoOp};
-use burn_ir::{BackendIr, InitOperationIr, OperationIr, OperationOutput};
-use cubecl_cuda::CudaRuntime;
-use cubecl_runtime::runtime::Runtime;
+use burn::tensor::Tensor;
+use burn_cubecl::cubecl::future::block_on;
 use cudarc::driver::{CudaContext, CudaStream};
 
+use crate::buffer::{DeviceBuffer, Fence};
 use crate::error::NcclError;
 use crate::ffi::{self, Failure, RawComm, RawOp, State};
 use crate::library::Located;
-use crate::tables::{DType, RedOp, cuda_ordinal, join_advice, wrong_gpu};
+use crate::tables::{RedOp, join_advice};
 use crate::waiting::{Stop, poll_until};
-
-type CudaServer = <CudaRuntime as Runtime>::Server;
-type Fence = DynFut<Result<(), burn_cubecl::cubecl::server::ServerError>>;
 
 /// How long a dropped communicator may take to flush before it is aborted instead.
 const FINALIZE_LIMIT: Duration = Duration::from_secs(10);
@@ -259,7 +248,7 @@ impl NcclComm {
         // The fence is recorded on this thread's CubeCL stream, after the kernels that wrote
         // the input and allocated the output (reading their addresses made this stream wait for
         // the streams that wrote them): waiting for it waits for exactly those.
-        let ready = input.prim.client.sync();
+        let ready = input.fence();
         Pending {
             comm: self.clone(),
             op,
@@ -277,49 +266,15 @@ impl NcclComm {
         }
     }
 
-    /// A new tensor of `count` elements of `like`'s type on its device, pinned.
+    /// A new buffer of `count` elements of `like`'s type on its device, pinned.
     fn output_like(&self, like: &DeviceBuffer, count: usize) -> Result<DeviceBuffer, NcclError> {
-        let output = Tensor::<1>::empty([count], (&like.device, like.prim.dtype));
-        self.buffer(output)
+        like.new_like(count, self.inner.gpu)
+            .map_err(|reason| self.tensor_error(reason))
     }
 
     /// The tensor's CubeCL buffer, contiguous and pinned.
     fn buffer(&self, tensor: Tensor<1>) -> Result<DeviceBuffer, NcclError> {
-        let dtype = DType::of(tensor.dtype()).ok_or_else(|| {
-            self.tensor_error(format!(
-                "element type {:?} is not supported (f64, f32, f16 and bf16 are)",
-                tensor.dtype()
-            ))
-        })?;
-        let device = tensor.device().inner();
-        let tensor = if tensor.device().is_autodiff() {
-            tensor.inner()
-        } else {
-            tensor
-        };
-        match cuda_ordinal(&device) {
-            Some(gpu) if gpu == self.inner.gpu => {}
-            Some(gpu) => return Err(self.tensor_error(wrong_gpu(gpu, self.inner.gpu))),
-            None => {
-                return Err(self.tensor_error(format!("{device:?} is not a CUDA device")));
-            }
-        }
-        let prim =
-            into_cube(tensor).map_err(|e| self.tensor_error(format!("not a CUDA tensor ({e})")))?;
-        let prim = into_contiguous(prim);
-        let count = prim.meta.shape().num_elements();
-        let resource = prim
-            .client
-            .get_resource::<CudaServer>(prim.handle.clone())
-            .map_err(|e| self.tensor_error(format!("reading the buffer address: {e}")))?;
-        Ok(DeviceBuffer {
-            ptr: resource.resource().ptr,
-            _pin: Box::new(resource),
-            count,
-            dtype,
-            device,
-            prim,
-        })
+        DeviceBuffer::of(tensor, self.inner.gpu).map_err(|reason| self.tensor_error(reason))
     }
 }
 
@@ -404,7 +359,7 @@ impl Pending {
         }
         drop(raw);
         // NCCL's stream is finished: the pins may go and burn may read the result.
-        Ok(from_cube(self.output.prim))
+        Ok(self.output.into_tensor())
     }
 }
 
@@ -433,42 +388,4 @@ fn stopped(rank: usize, op: String, timeout: Duration, stop: Stop<Failure>) -> N
             message: failure.to_string(),
         },
     }
-}
-
-/// The `CubeTensor` under a CUDA tensor: fusion runs what is queued for it and hands it over.
-fn into_cube(tensor: Tensor<1>) -> Result<CubeTensor, String> {
-    let fused: FusionTensor<FusionCubeRuntime> = tensor
-        .try_into_primitive::<Cuda>()
-        .map_err(|e| format!("{e:?}"))?;
-    let client = fused.client.clone();
-    Ok(client.resolve_tensor_float::<CubeBackend>(fused))
-}
-
-/// A `CubeTensor` back as a burn tensor, registered with fusion as a fresh tensor (what
-/// burn-fusion's `float_from_data` does with a new buffer).
-fn from_cube(prim: CubeTensor) -> Tensor<1> {
-    let client = burn_fusion::get_client::<CubeBackend>(&prim.device);
-    let (shape, dtype) = (prim.meta.shape().clone(), prim.dtype);
-    let handle = <CubeBackend as BackendIr>::float_tensor_handle(prim);
-    let init = InitOperationIr::create(shape, dtype, || client.register_tensor_handle(handle));
-    let fused = client
-        .register(
-            StreamId::current(),
-            OperationIr::Init(init),
-            NoOp::<CubeBackend>::new(),
-        )
-        .output();
-    Tensor::from_primitive::<Cuda>(fused)
-}
-
-/// A CubeCL buffer pinned while NCCL uses its address.
-struct DeviceBuffer {
-    ptr: u64,
-    /// cubecl's managed resource: keeps the allocation alive and in place until dropped.
-    _pin: Box<dyn std::any::Any + Send>,
-    count: usize,
-    dtype: DType,
-    /// burn's device of the buffer (without autodiff).
-    device: Device,
-    prim: CubeTensor,
 }

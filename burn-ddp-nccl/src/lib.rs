@@ -27,6 +27,8 @@ mod error;
 pub mod library;
 
 #[cfg(feature = "cuda")]
+mod buffer;
+#[cfg(feature = "cuda")]
 mod comm;
 #[cfg(feature = "cuda")]
 #[allow(unsafe_code)]
