@@ -5,6 +5,7 @@ use std::path::PathBuf;
 /// What can go wrong with CUDA and NCCL. `Debug` shows the same sentence as `Display`, so any
 /// `main` that returns the error prints the message, not a struct.
 #[derive(thiserror::Error)]
+#[non_exhaustive]
 pub enum NcclError {
     /// A shared library is not loadable; says what was looked for and how to fix it.
     #[error(

@@ -15,6 +15,7 @@ pub type Result<T, E = DdpError> = std::result::Result<T, E>;
 /// `Debug` shows the same sentence as `Display` (with the causes it does not already name), so
 /// `fn main() -> Result<(), Box<dyn Error>>` prints the message, not a struct.
 #[derive(thiserror::Error)]
+#[non_exhaustive]
 pub enum DdpError {
     /// An environment variable is set but its value cannot be used.
     #[error("environment variable {var}={value:?} is invalid: {expected}")]
