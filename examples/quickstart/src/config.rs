@@ -174,14 +174,14 @@ pub struct Flags {
     /// Perfetto or chrome://tracing)
     #[arg(long, value_name = "DIR")]
     pub profile: Option<PathBuf>,
-    /// Epochs
-    #[arg(long, value_name = "N")]
+    /// Epochs (at least 1)
+    #[arg(long, value_name = "N", value_parser = at_least(1))]
     pub epochs: Option<usize>,
-    /// Batch size per rank
-    #[arg(long, value_name = "B")]
+    /// Batch size per rank (at least 1)
+    #[arg(long, value_name = "B", value_parser = at_least(1))]
     pub batch_size: Option<usize>,
-    /// Learning rate
-    #[arg(long, value_name = "X")]
+    /// Learning rate (a finite number above 0)
+    #[arg(long, value_name = "X", value_parser = positive_finite)]
     pub lr: Option<f64>,
     /// Seed of initialisation and shuffling
     #[arg(long, value_name = "S")]
@@ -195,8 +195,8 @@ pub struct Flags {
     /// Rank 0 writes the final parameters there as raw little-endian f32 (for comparing runs)
     #[arg(long, value_name = "PATH")]
     pub params_out: Option<PathBuf>,
-    /// Training samples of the synthetic set (validation: a quarter as many)
-    #[arg(long, value_name = "N")]
+    /// Training samples of the synthetic set (validation: a quarter as many; at least 4)
+    #[arg(long, value_name = "N", value_parser = at_least(4))]
     pub samples: Option<usize>,
     /// Train on scikit-learn's digits.csv.gz at PATH instead of the synthetic set
     #[arg(long, value_name = "PATH")]
@@ -222,6 +222,21 @@ pub struct Flags {
     /// Switch off the per-bucket desync check (to measure its cost)
     #[arg(long)]
     pub no_desync_check: bool,
+}
+
+/// A parser of counts of at least `min`.
+fn at_least(min: u64) -> clap::builder::RangedU64ValueParser<usize> {
+    clap::builder::RangedU64ValueParser::<usize>::new().range(min..)
+}
+
+/// A parser of finite numbers above 0 (a learning rate of 0, below 0, NaN or infinite trains
+/// nothing or everything into NaN).
+fn positive_finite(s: &str) -> Result<f64, String> {
+    match s.trim().parse::<f64>() {
+        Ok(x) if x.is_finite() && x > 0.0 => Ok(x),
+        Ok(_) => Err("expected a finite number above 0".into()),
+        Err(e) => Err(e.to_string()),
+    }
 }
 
 impl Config {
@@ -344,6 +359,36 @@ mod tests {
             .parse_args(["--epochs", "two"])
             .unwrap_err();
         assert_eq!(e.kind(), clap::error::ErrorKind::ValueValidation);
+    }
+
+    /// Values that used to panic (a batch of 0, too few samples) or train into NaN are refused
+    /// where they are parsed, naming the flag.
+    #[test]
+    fn values_that_cannot_train_are_refused_at_parsing() {
+        let cases: [&[&str]; 8] = [
+            &["--batch-size", "0"],
+            &["--epochs", "0"],
+            &["--samples", "0"],
+            &["--samples", "1"],
+            &["--lr", "nan"],
+            &["--lr", "inf"],
+            &["--lr", "0"],
+            &["--lr=-0.1"],
+        ];
+        for args in cases {
+            let e = Config::default().parse_args(args).unwrap_err();
+            assert_eq!(
+                e.kind(),
+                clap::error::ErrorKind::ValueValidation,
+                "{args:?}"
+            );
+            let flag = args[0].split('=').next().unwrap_or_default();
+            assert!(e.to_string().contains(flag), "{args:?}: {e}");
+        }
+        let cfg = Config::default()
+            .parse_args(["--batch-size", "1", "--samples", "4", "--lr", "1e-3"])
+            .unwrap();
+        assert_eq!((cfg.batch_size, cfg.samples, cfg.lr), (1, 4, 1e-3));
     }
 
     #[test]
