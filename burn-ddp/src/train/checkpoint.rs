@@ -292,12 +292,35 @@ fn rank_0_outcome(group: &ProcessGroup, verb: &str, problem: String) -> Result<(
     }
 }
 
-/// Rank 0 reads the checkpoint (if resuming and one exists) and sends it to every rank.
+/// Creates `dir` if needed and writes and removes a file in it.
+fn probe_writable(dir: &std::path::Path) -> std::io::Result<()> {
+    std::fs::create_dir_all(dir)?;
+    let probe = dir.join(format!(".burn-ddp-probe-{}", std::process::id()));
+    std::fs::write(&probe, b"")?;
+    std::fs::remove_file(&probe)
+}
+
+/// Rank 0 checks that it can write the checkpoint's directory, reads the checkpoint (if
+/// resuming and one exists) and sends it to every rank.
 pub(crate) fn load(group: &ProcessGroup, config: &CheckpointConfig) -> Result<Option<Snapshot>> {
     let fail = |reason: String| DdpError::Checkpoint {
         rank: group.rank(),
         reason,
     };
+    // Before the first step, not at the first checkpoint: a directory that cannot be written
+    // would otherwise be found only after the work the checkpoint was to keep.
+    let unwritable = match group.rank() {
+        0 => probe_writable(&config.dir)
+            .err()
+            .map_or(String::new(), |e| {
+                format!(
+                    "its directory {} cannot be written ({e}), checked before training",
+                    config.dir.display()
+                )
+            }),
+        _ => String::new(),
+    };
+    rank_0_outcome(group, "write", unwritable)?;
     let (raw, problem) = if group.rank() == 0 && config.resume {
         match std::fs::read(config.path()) {
             Ok(raw) => (raw, String::new()),

@@ -123,14 +123,44 @@ fn a_checkpoint_rank_0_cannot_read_or_write_stops_every_rank_naming_it() {
             assert!(e.contains(&want), "rank {r}: {e}");
         }
     };
-    // The directory lies below a regular file: rank 0 cannot even look for a checkpoint.
-    let blocker = scratch_dir("unreadable");
-    std::fs::write(&blocker, b"not a directory").unwrap();
-    expect(job(blocker.join("ckpt")), "read");
-    let _ = std::fs::remove_file(&blocker);
+    // A directory stands where the checkpoint file is: rank 0 cannot read it. (A directory
+    // that cannot be written at all is found before training: the test below.)
+    let unreadable = scratch_dir("unreadable");
+    std::fs::create_dir_all(unreadable.join(CHECKPOINT_FILE)).unwrap();
+    expect(job(unreadable.clone()), "read");
+    let _ = std::fs::remove_dir_all(&unreadable);
     // A directory stands where the temporary file goes: the first write fails.
     let dir = scratch_dir("unwritable");
     std::fs::create_dir_all(dir.join("checkpoint.tmp")).unwrap();
     expect(job(dir.clone()), "write");
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// A checkpoint directory that cannot be written stops every rank before the first step, with
+/// rank 0's reason (it used to be found only when the first checkpoint was written, after the
+/// work it was to keep). Root may write almost anywhere: the directory is one /proc refuses to
+/// create, where looking for a checkpoint finds none, as on a read-only file system.
+#[test]
+fn an_unwritable_checkpoint_directory_stops_every_rank_before_training() {
+    let dir = std::path::PathBuf::from("/proc/self/burn-ddp-checkpoints");
+    let config = CheckpointConfig::new(&dir);
+    let read = Arc::new(AtomicUsize::new(0));
+    let outcomes = run_job(&Job {
+        count: Some((1, read.clone())),
+        ..Job::plain(2, Some(config))
+    });
+    for (rank, outcome) in outcomes.iter().enumerate() {
+        let e = outcome.as_ref().unwrap_err();
+        assert!(
+            e.contains("rank 0 could not write it")
+                && e.contains("/proc/self/burn-ddp-checkpoints")
+                && e.contains("checked before training"),
+            "rank {rank}: {e}"
+        );
+    }
+    assert_eq!(
+        read.load(Ordering::Relaxed),
+        0,
+        "a sample was read for training"
+    );
 }
