@@ -138,6 +138,13 @@ else
     fail "preflight: CUDA headers" "no cuda_fp16.h under ${cuda_root:-CUDA_PATH, /usr/local/cuda, /opt/cuda}/include: install the CUDA toolkit headers or set CUDA_PATH"
     preflight_ok=0
 fi
+# python3 compares the parameters of the DdpLearner runs.
+if command -v python3 >/dev/null 2>&1; then
+    pass "preflight: python3" "$(python3 --version 2>&1)"
+else
+    fail "preflight: python3" "not found: the parameter comparisons need it"
+    preflight_ok=0
+fi
 if [ "$preflight_ok" -eq 0 ]; then
     echo "preflight failed: the checks need the libraries above"
     finish
