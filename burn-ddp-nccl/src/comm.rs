@@ -139,10 +139,8 @@ impl NcclComm {
         });
         if let Err(stop) = joined {
             raw.abort();
-            return Err(match stop {
-                Stop::Failed(message) => join_error(message),
-                other => stopped(rank, "joining the communicator".into(), timeout, other),
-            });
+            let op = "joining the communicator".to_string();
+            return Err(stopped(rank, op, timeout, stop, join_error));
         }
         Ok(NcclComm {
             inner: Arc::new(Inner {
@@ -336,7 +334,7 @@ impl Pending {
         })?;
         if inner.aborted.load(Ordering::Acquire) {
             raw.abort();
-            return Err(stopped(rank, what, timeout, Stop::Aborted));
+            return Err(stopped(rank, what, timeout, Stop::Aborted, nccl_error));
         }
         raw.enqueue(self.op, self.input.dtype, stream)
             .map_err(nccl_error)?;
@@ -352,10 +350,7 @@ impl Pending {
         });
         if let Err(stop) = finished {
             raw.abort();
-            return Err(match stop {
-                Stop::Failed(message) => nccl_error(message),
-                other => stopped(rank, what, timeout, other),
-            });
+            return Err(stopped(rank, what, timeout, stop, nccl_error));
         }
         drop(raw);
         // NCCL's stream is finished: the pins may go and burn may read the result.
@@ -372,8 +367,15 @@ fn ready(state: State) -> Result<bool, Failure> {
     }
 }
 
-/// The error of a wait that ended before its work did (the communicator is aborted).
-fn stopped(rank: usize, op: String, timeout: Duration, stop: Stop<Failure>) -> NcclError {
+/// The error of a wait for `op` that ended before its work did (the communicator is aborted);
+/// NCCL's own failure becomes `failed`'s error.
+fn stopped(
+    rank: usize,
+    op: String,
+    timeout: Duration,
+    stop: Stop<Failure>,
+    failed: impl FnOnce(Failure) -> NcclError,
+) -> NcclError {
     match stop {
         Stop::TimedOut => NcclError::Timeout { rank, op, timeout },
         Stop::Watched(reason) => NcclError::Stopped { rank, op, reason },
@@ -382,10 +384,6 @@ fn stopped(rank: usize, op: String, timeout: Duration, stop: Stop<Failure>) -> N
             op,
             reason: "the communicator was aborted after a failure in the group".into(),
         },
-        Stop::Failed(failure) => NcclError::Nccl {
-            rank,
-            call: "NCCL",
-            message: failure.to_string(),
-        },
+        Stop::Failed(failure) => failed(failure),
     }
 }

@@ -25,7 +25,7 @@ mod builder;
 mod init;
 mod worker;
 
-#[cfg(all(test, feature = "nccl"))]
+#[cfg(feature = "nccl")]
 pub(crate) use agreement::Said;
 pub use builder::{GroupOptions, ProcessGroupBuilder};
 pub use init::{init_process_group, init_process_group_with};

@@ -18,11 +18,6 @@ impl Said {
             .filter(|&r| self.all[r] != self.all[0])
             .collect()
     }
-
-    /// The first rank whose description differs from rank 0's.
-    pub(crate) fn first_differing(&self) -> Option<usize> {
-        self.differing().first().copied()
-    }
 }
 
 impl ProcessGroup {
@@ -54,7 +49,7 @@ mod tests {
         };
         assert_eq!(said(&[b"a", b"a", b"a"]).differing(), Vec::<usize>::new());
         assert_eq!(said(&[b"a", b"b", b"a", b"c"]).differing(), vec![1, 3]);
-        assert_eq!(said(&[b"a", b"a", b"c"]).first_differing(), Some(2));
-        assert_eq!(said(&[b"x"]).first_differing(), None);
+        assert_eq!(said(&[b"a", b"a", b"c"]).differing(), vec![2]);
+        assert_eq!(said(&[b"x"]).differing(), Vec::<usize>::new());
     }
 }

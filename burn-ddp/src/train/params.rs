@@ -99,23 +99,26 @@ pub fn check_agreement(
     }));
     lines.push(format!("{} float tensors", params.len()));
     let said = group.gather_said(lines.join("\n").into_bytes())?;
-    let Some(rank) = said.first_differing() else {
-        return Ok(());
+    let lines_of = |r: usize| -> Vec<&str> {
+        std::str::from_utf8(&said.all[r])
+            .unwrap_or("")
+            .lines()
+            .collect()
     };
-    let text = |r: usize| std::str::from_utf8(&said.all[r]).unwrap_or("").to_string();
-    let (reference, theirs) = (text(0), text(rank));
-    let (reference, theirs): (Vec<&str>, Vec<&str>) =
-        (reference.lines().collect(), theirs.lines().collect());
-    let n = reference.len().max(theirs.len());
-    let i = (0..n)
-        .find(|i| reference.get(*i) != theirs.get(*i))
-        .unwrap_or(n);
-    let show = |l: Option<&&str>| l.map_or("nothing".to_string(), |s| s.to_string());
-    Err(DdpError::Disagreement(format!(
-        "rank 0 has {} but rank {rank} has {}",
-        show(reference.get(i)),
-        show(theirs.get(i))
-    )))
+    let reference = lines_of(0);
+    for rank in said.differing() {
+        let theirs = lines_of(rank);
+        let n = reference.len().max(theirs.len());
+        if let Some(i) = (0..n).find(|i| reference.get(*i) != theirs.get(*i)) {
+            let show = |l: Option<&&str>| l.map_or("nothing".to_string(), |s| s.to_string());
+            return Err(DdpError::Disagreement(format!(
+                "rank 0 has {} but rank {rank} has {}",
+                show(reference.get(i)),
+                show(theirs.get(i))
+            )));
+        }
+    }
+    Ok(())
 }
 
 struct Collect {

@@ -19,7 +19,7 @@ use burn_ddp_nccl::{NcclComm, NcclError, Pending};
 use super::invalid;
 use crate::collectives::{ReduceOp, Work};
 use crate::error::{DdpError, Result};
-use crate::group::{Elsewhere, ProcessGroup, Worker};
+use crate::group::{Elsewhere, ProcessGroup, Said, Worker};
 use crate::wire::{Reader, Writer};
 
 /// Joins the group's NCCL communicator on the GPU of `device`.
@@ -142,7 +142,7 @@ pub(super) fn all_gather(
     let started = comm.start_all_gather(tensor);
     group.on_worker(move |w| {
         let said = w.gather_said(shape.as_bytes())?;
-        if let Some(reason) = shape_mismatch(&said.all, said.first_differing()) {
+        if let Some(reason) = shape_mismatch(&said) {
             return Err(invalid(w.rank(), "all_gather", reason));
         }
         let all = wait(w, "NCCL all_gather", started)?;
@@ -157,10 +157,10 @@ fn gather_shape(n: usize, dtype: burn::tensor::DType) -> String {
     format!("{n} x {dtype:?}")
 }
 
-/// The disagreement of the gathered shapes `all`, where rank `differing` differs from rank 0,
-/// in words.
-fn shape_mismatch(all: &[Vec<u8>], differing: Option<usize>) -> Option<String> {
-    let other = differing?;
+/// The first disagreement of the gathered shapes with rank 0's, in words.
+fn shape_mismatch(said: &Said) -> Option<String> {
+    let other = *said.differing().first()?;
+    let all = &said.all;
     Some(format!(
         "rank 0 gathers {} but rank {other} {}: tensors gathered must have the same length and \
          element type on every rank",
@@ -183,7 +183,6 @@ fn wait(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::group::Said;
     use burn::tensor::DType;
 
     #[test]
@@ -215,16 +214,16 @@ mod tests {
         };
         let mine = gather_shape(10, DType::BF16);
         let same = said(&[mine.clone(), mine.clone(), mine.clone()]);
-        assert_eq!(shape_mismatch(&same.all, same.first_differing()), None);
+        assert_eq!(shape_mismatch(&same), None);
         // Same bytes, other type: 10 bf16 against 5 f32.
         let other = said(&[mine.clone(), gather_shape(5, DType::F32)]);
         assert_eq!(
-            shape_mismatch(&other.all, other.first_differing()).unwrap(),
+            shape_mismatch(&other).unwrap(),
             "rank 0 gathers 10 x BF16 but rank 1 5 x F32: tensors gathered must have the same \
              length and element type on every rank"
         );
         let typed = said(&[gather_shape(10, DType::F16), mine.clone(), mine]);
-        let message = shape_mismatch(&typed.all, typed.first_differing()).unwrap();
+        let message = shape_mismatch(&typed).unwrap();
         assert!(
             message.contains("rank 0 gathers 10 x F16 but rank 1 10 x BF16"),
             "{message}"
