@@ -8,31 +8,22 @@
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::mpsc::{self, Sender};
-use std::thread::JoinHandle;
 
-use crate::collectives::tcp::{OpResult, TcpTransport};
+#[cfg(feature = "train")]
+use crate::collectives::agreement::Said;
+use crate::collectives::backend::Backends;
 use crate::collectives::{Broadcastable, Gatherable, ReduceOp, Reducible, Transport, Work};
 use crate::env::LaunchEnv;
-use crate::error::{DdpError, Result};
+use crate::error::Result;
 use crate::failure::FailureRecord;
 use crate::status::StatusBoard;
 use crate::store::{Store, StoreServer};
 
-#[cfg(feature = "train")]
-mod agreement;
 mod builder;
 mod init;
-mod worker;
 
-#[cfg(feature = "nccl")]
-pub(crate) use agreement::Said;
 pub use builder::{GroupOptions, ProcessGroupBuilder};
 pub use init::{init_process_group, init_process_group_with};
-#[cfg(feature = "nccl")]
-pub(crate) use worker::Elsewhere;
-use worker::Job;
-pub(crate) use worker::Worker;
 
 /// A connected group of ranks, as PyTorch's default process group. In a world of one,
 /// collectives complete at once on the calling thread.
@@ -51,15 +42,14 @@ pub struct ProcessGroup {
     world_size: usize,
     local_rank: usize,
     local_world_size: usize,
+    /// Dropped first (fields drop in order): the collective thread finishes its queue while
+    /// the status is still published and the store still served.
+    backends: Backends,
     store: Arc<Store>,
     status: StatusBoard,
     options: GroupOptions,
-    jobs: Option<Sender<Job>>,
-    worker: Option<JoinHandle<()>>,
     all_reduces: AtomicU64,
     transport: Transport,
-    #[cfg(feature = "train")]
-    devices: crate::collectives::device::DeviceBackends,
     #[cfg(feature = "train")]
     samplers: crate::train::SamplerRegistry,
     _server: Option<StoreServer>,
@@ -173,41 +163,17 @@ impl ProcessGroup {
         &self.options
     }
 
-    /// Queues a transport operation on the collective thread, after every collective issued
-    /// before it; a failure becomes the group's error on the worker.
-    pub(crate) fn submit<T: Send + 'static>(
-        &self,
-        job: impl FnOnce(&mut TcpTransport) -> OpResult<T> + Send + 'static,
-    ) -> Work<T> {
-        self.on_worker(move |w| w.run(job))
-    }
-
-    /// Queues `job` on the collective thread, with the whole worker (the transport, and the
-    /// group's failure agreement) at hand.
-    pub(crate) fn on_worker<T: Send + 'static>(
-        &self,
-        job: impl FnOnce(&mut Worker) -> Result<T> + Send + 'static,
-    ) -> Work<T> {
-        let (tx, rx) = mpsc::sync_channel(1);
-        let boxed: Job = Box::new(move |t| {
-            let _ = tx.send(job(t));
-        });
-        match self.jobs.as_ref().map(|j| j.send(boxed)) {
-            Some(Ok(())) => Work::pending(self.rank, rx),
-            _ => Work::done(self.rank, Err(DdpError::WorkerGone { rank: self.rank })),
-        }
-    }
-
     /// The samplers made for this group ([`crate::train::DistributedSampler::for_group`]).
     #[cfg(feature = "train")]
     pub(crate) fn samplers(&self) -> &crate::train::SamplerRegistry {
         &self.samplers
     }
 
-    /// The backends chosen for the devices tensors were on.
+    /// Gathers every rank's `mine` (a description of something every rank must agree on):
+    /// the one way the ranks compare what they say ([`Said::differing`]).
     #[cfg(feature = "train")]
-    pub(crate) fn device_backends(&self) -> &crate::collectives::device::DeviceBackends {
-        &self.devices
+    pub(crate) fn gather_said(&self, mine: Vec<u8>) -> Result<Said> {
+        self.backends.gather_said(mine)
     }
 
     /// Starts an all-reduce of `data`; [`Work::wait`] returns the reduced buffer, identical on
@@ -216,19 +182,19 @@ impl ProcessGroup {
     /// device (NCCL for CUDA with feature `nccl`, host staging for the others).
     pub fn all_reduce<B: Reducible>(&self, data: B, op: ReduceOp) -> Work<B> {
         self.all_reduces.fetch_add(1, Ordering::Relaxed);
-        data.start_all_reduce(self, op)
+        data.start_all_reduce(&self.backends, op)
     }
 
     /// Starts a broadcast: every rank's buffer (a `Vec` or a `Tensor<1>`) becomes `root`'s.
     /// Lengths must match.
     pub fn broadcast<B: Broadcastable>(&self, data: B, root: usize) -> Work<B> {
-        data.start_broadcast(self, root)
+        data.start_broadcast(&self.backends, root)
     }
 
     /// Starts an all-gather; the result is indexed by rank. Byte buffers (`Vec<u8>`) may differ
     /// in length between ranks; tensors (`Tensor<1>`) must not.
     pub fn all_gather<B: Gatherable>(&self, data: B) -> Work<B::Gathered> {
-        data.start_all_gather(self)
+        data.start_all_gather(&self.backends)
     }
 
     /// Starts a barrier: completes once every rank has reached it.
@@ -236,7 +202,7 @@ impl ProcessGroup {
         if self.world_size == 1 {
             return Work::done(self.rank, Ok(()));
         }
-        self.submit(|t| t.barrier())
+        self.backends.submit(|t| t.barrier())
     }
 }
 
@@ -252,14 +218,10 @@ impl ProcessGroup {
         };
         // The reason is recorded before the device communicators are aborted, so that a
         // collective the abort stops reports it rather than the abort.
-        #[cfg(feature = "train")]
-        {
-            let _ = record.clone().agree(&self.store);
-            self.devices.abort();
-        }
+        let _ = record.clone().agree(&self.store);
         let cause = self
-            .on_worker(move |w| Ok(w.abort(record)))
-            .wait()
+            .backends
+            .abort(record)
             .unwrap_or_else(|e| e.to_string());
         crate::elastic::record_error_with(|| {
             format!(
@@ -278,9 +240,10 @@ impl ProcessGroup {
 }
 
 impl Drop for ProcessGroup {
-    /// Lets queued collectives finish (each bounded by the timeout), tells the peers this rank
-    /// leaves, and stops the store if this rank serves it. Dropped while the thread panics, the
-    /// group is aborted instead, and the peers learn that this rank panicked and where.
+    /// Dropped while the thread panics, the group is aborted, and the peers learn that this
+    /// rank panicked and where. Then (dropping the fields) queued collectives finish, each
+    /// bounded by the timeout, the peers are told this rank leaves, and the store stops if this
+    /// rank serves it.
     fn drop(&mut self) {
         if std::thread::panicking() && self.world_size > 1 {
             let record = FailureRecord {
@@ -292,11 +255,7 @@ impl Drop for ProcessGroup {
                 ),
             };
             crate::elastic::record_error(&record.cause);
-            let _ = self.on_worker(move |w| Ok(w.abort(record)));
-        }
-        self.jobs.take();
-        if let Some(w) = self.worker.take() {
-            let _ = w.join();
+            self.backends.abort_later(record);
         }
     }
 }

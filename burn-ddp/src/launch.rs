@@ -21,9 +21,6 @@ macro_rules! say {
     }};
 }
 
-#[cfg(target_os = "linux")]
-pub mod cluster;
-
 mod exits;
 mod forward;
 mod libraries;

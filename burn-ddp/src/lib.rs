@@ -72,6 +72,9 @@ pub mod signals;
 pub mod status;
 pub mod store;
 mod sync;
+#[cfg(feature = "test-support")]
+#[doc(hidden)]
+pub mod testing;
 #[cfg(feature = "train")]
 pub mod train;
 mod wire;

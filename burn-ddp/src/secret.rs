@@ -13,7 +13,7 @@ use std::fmt;
 
 use crate::error::{DdpError, Result};
 
-pub mod handshake;
+pub(crate) mod handshake;
 
 pub use handshake::{AdmissionError, Domain};
 

@@ -16,10 +16,10 @@ use crate::store::Store;
 use crate::wire::{DecodeError, Reader, Writer};
 
 /// How often a changed status is published (phase changes are published at once).
-pub const PUBLISH_INTERVAL: Duration = Duration::from_millis(100);
+pub(crate) const PUBLISH_INTERVAL: Duration = Duration::from_millis(100);
 
 /// The store key of a rank's status.
-pub fn status_key(rank: usize) -> String {
+pub(crate) fn status_key(rank: usize) -> String {
     crate::store::keys::status(rank)
 }
 
@@ -143,7 +143,7 @@ impl RankStatus {
     }
 
     /// Decodes a status read from the store by other means (the launcher reads its own server).
-    pub fn from_bytes(raw: &[u8]) -> Option<Self> {
+    pub(crate) fn from_bytes(raw: &[u8]) -> Option<Self> {
         Self::decode(raw).ok()
     }
 }

@@ -29,6 +29,10 @@ impl Writer {
         self.buf.extend_from_slice(&v.to_le_bytes());
         self
     }
+    pub(crate) fn f64(&mut self, v: f64) -> &mut Self {
+        self.buf.extend_from_slice(&v.to_le_bytes());
+        self
+    }
     /// A `u32` length followed by the bytes.
     pub(crate) fn bytes(&mut self, v: &[u8]) -> &mut Self {
         self.u32(v.len() as u32);
@@ -74,6 +78,9 @@ impl<'a> Reader<'a> {
     }
     pub(crate) fn i64(&mut self) -> Result<i64, DecodeError> {
         self.array().map(i64::from_le_bytes)
+    }
+    pub(crate) fn f64(&mut self) -> Result<f64, DecodeError> {
+        self.array().map(f64::from_le_bytes)
     }
     pub(crate) fn bytes(&mut self) -> Result<&'a [u8], DecodeError> {
         let n = self.u32()? as usize;

@@ -1,5 +1,5 @@
 //! `cluster`: runs a program on several hosts made of network namespaces on this machine
-//! (`burn_ddp::launch::cluster`, the same hosts the cross-host tests use): one `burn-ddp-run`
+//! (`burn_ddp::testing::cluster`, the same hosts the cross-host tests use): one `burn-ddp-run`
 //! per host, each host's output prefixed with `[host i]`, everything removed afterwards (Ctrl-C
 //! included). Needs root.
 
@@ -11,8 +11,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use anyhow::{Context, Result, bail};
-use burn_ddp::launch::cluster::{Cluster, ClusterConfig, ClusterJob};
 use burn_ddp::secret::JobSecret;
+use burn_ddp::testing::cluster::{Cluster, ClusterConfig, ClusterJob};
 use clap::Args;
 
 use crate::build::build_cpu_program;

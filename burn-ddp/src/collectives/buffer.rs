@@ -1,9 +1,12 @@
-//! What the group's collectives accept: host vectors (moved by the TCP transport) and, with the
+//! What the group's collectives accept: host vectors (moved by the host transport) and, with the
 //! `train` feature, burn tensors on any device (moved by the backend of their device kind, see
 //! [`device`](super::device)). [`crate::ProcessGroup::all_reduce`] and its siblings are generic
-//! over these traits, so one call serves every kind of buffer, as `torch.distributed` does.
+//! over these traits, so one call serves every kind of buffer, as `torch.distributed` does; each
+//! implementation hands its buffer to the backend it travels by ([`Backends`]).
 
+use super::backend::Backends;
 use super::{Element, Reduce, ReduceOp, Work};
+#[cfg(doc)]
 use crate::ProcessGroup;
 
 pub(crate) mod sealed {
@@ -14,9 +17,9 @@ pub(crate) mod sealed {
 /// A buffer [`ProcessGroup::all_reduce`] can reduce: `Vec<T>` of a [`Reduce`] element type, or
 /// (feature `train`) a flat burn `Tensor<1>` of floats on any device.
 pub trait Reducible: sealed::Sealed + Sized + Send + 'static {
-    /// Starts the all-reduce of `self` over `group` (use [`ProcessGroup::all_reduce`]).
+    /// Starts the all-reduce of `self` by its backend (use [`ProcessGroup::all_reduce`]).
     #[doc(hidden)]
-    fn start_all_reduce(self, group: &ProcessGroup, op: ReduceOp) -> Work<Self>;
+    fn start_all_reduce(self, backends: &Backends, op: ReduceOp) -> Work<Self>;
 }
 
 /// A buffer [`ProcessGroup::broadcast`] can send: `Vec<T>` of an element type, or (feature
@@ -24,7 +27,7 @@ pub trait Reducible: sealed::Sealed + Sized + Send + 'static {
 pub trait Broadcastable: sealed::Sealed + Sized + Send + 'static {
     /// Starts the broadcast of `self` from `root` (use [`ProcessGroup::broadcast`]).
     #[doc(hidden)]
-    fn start_broadcast(self, group: &ProcessGroup, root: usize) -> Work<Self>;
+    fn start_broadcast(self, backends: &Backends, root: usize) -> Work<Self>;
 }
 
 /// A buffer [`ProcessGroup::all_gather`] can gather: `Vec<u8>` (lengths may differ between
@@ -34,36 +37,36 @@ pub trait Gatherable: sealed::Sealed + Sized + Send + 'static {
     type Gathered: Send + 'static;
     /// Starts the all-gather of `self` (use [`ProcessGroup::all_gather`]).
     #[doc(hidden)]
-    fn start_all_gather(self, group: &ProcessGroup) -> Work<Self::Gathered>;
+    fn start_all_gather(self, backends: &Backends) -> Work<Self::Gathered>;
 }
 
 impl<T: Element> sealed::Sealed for Vec<T> {}
 
 impl<T: Reduce> Reducible for Vec<T> {
-    fn start_all_reduce(mut self, group: &ProcessGroup, op: ReduceOp) -> Work<Self> {
-        if group.world_size() == 1 {
-            return Work::done(group.rank(), Ok(self));
+    fn start_all_reduce(mut self, backends: &Backends, op: ReduceOp) -> Work<Self> {
+        if backends.world() == 1 {
+            return Work::done(backends.rank(), Ok(self));
         }
-        group.submit(move |t| t.all_reduce(&mut self, op).map(|()| self))
+        backends.submit(move |t| t.all_reduce(&mut self, op).map(|()| self))
     }
 }
 
 impl<T: Element> Broadcastable for Vec<T> {
-    fn start_broadcast(mut self, group: &ProcessGroup, root: usize) -> Work<Self> {
-        if group.world_size() == 1 && root == 0 {
-            return Work::done(group.rank(), Ok(self));
+    fn start_broadcast(mut self, backends: &Backends, root: usize) -> Work<Self> {
+        if backends.world() == 1 && root == 0 {
+            return Work::done(backends.rank(), Ok(self));
         }
-        group.submit(move |t| t.broadcast(&mut self, root).map(|()| self))
+        backends.submit(move |t| t.broadcast(&mut self, root).map(|()| self))
     }
 }
 
 impl Gatherable for Vec<u8> {
     type Gathered = Vec<Vec<u8>>;
 
-    fn start_all_gather(self, group: &ProcessGroup) -> Work<Vec<Vec<u8>>> {
-        if group.world_size() == 1 && self.len() <= group.options().max_gather_bytes {
-            return Work::done(group.rank(), Ok(vec![self]));
+    fn start_all_gather(self, backends: &Backends) -> Work<Vec<Vec<u8>>> {
+        if backends.world() == 1 && self.len() <= backends.max_gather_bytes() {
+            return Work::done(backends.rank(), Ok(vec![self]));
         }
-        group.submit(move |t| t.all_gather(&self))
+        backends.submit(move |t| t.all_gather(&self))
     }
 }

@@ -2,21 +2,32 @@
 //! collectives accept and the [`Work`] handle of an operation started now and waited for later.
 //!
 //! The operations themselves are methods of [`crate::ProcessGroup`], generic over the buffer
-//! ([`Reducible`], [`Broadcastable`], [`Gatherable`]): host vectors travel by the TCP transport
-//! (`tcp`), or through shared memory (`shm`) when every rank runs on one host; burn tensors
-//! by the backend of their device kind (`device`, feature `train`: NCCL for CUDA from
-//! `burn-ddp-nccl`, host staging over the host transport for every other device). How an
-//! operation is described on the wire and in errors (`OpKind`, `OpDesc`) is internal: errors
-//! carry it as text, as in `all_reduce #12 of 4096 x f32`.
+//! ([`Reducible`], [`Broadcastable`], [`Gatherable`]), which the group hands to its backends
+//! (`backend`, c10d's layer below the process group):
+//! - host vectors travel by the host transport (`host`), on the collective thread (`worker`):
+//!   the TCP ring (`tcp`), shared memory (`shm`) when ranks share a host, or the hierarchical
+//!   all-reduce across hosts, all cutting buffers by one `schedule`;
+//! - burn tensors by the backend of their device kind (`device`, feature `train`: NCCL for CUDA
+//!   from `burn-ddp-nccl`, host staging over the host transport for every other device).
+//!
+//! `agreement` is how ranks check that they agree on something (one gather, compared with rank
+//! 0). How an operation is described on the wire and in errors (`OpKind`, `OpDesc`) is
+//! internal: errors carry it as text, as in `all_reduce #12 of 4096 x f32`.
 
+#[cfg(feature = "train")]
+pub(crate) mod agreement;
+pub(crate) mod backend;
 mod buffer;
 #[cfg(feature = "train")]
 pub(crate) mod device;
+pub(crate) mod host;
 pub(crate) mod reduce;
+pub(crate) mod schedule;
 pub(crate) mod shm;
 pub(crate) mod tcp;
 mod transport;
 mod work;
+pub(crate) mod worker;
 
 use half::{bf16, f16};
 

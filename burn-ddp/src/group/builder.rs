@@ -7,10 +7,12 @@ use std::sync::Arc;
 use std::sync::atomic::AtomicU64;
 use std::time::{Duration, Instant};
 
-use super::{ProcessGroup, Worker};
+use super::ProcessGroup;
 use crate::collectives::Transport;
+use crate::collectives::backend::{Backends, Limits};
+use crate::collectives::host::{HostConfig, HostTransport};
 use crate::collectives::shm::setup::{ShmRequest, negotiate};
-use crate::collectives::tcp::{TcpConfig, TcpTransport, mesh};
+use crate::collectives::tcp::mesh;
 use crate::env::DEFAULT_MASTER_PORT;
 use crate::error::{DdpError, Result};
 use crate::secret::JobSecret;
@@ -277,12 +279,11 @@ impl ProcessGroupBuilder {
             vec![None]
         };
         let status = StatusBoard::start(rank, world_size, store.clone());
-        let mut transport = TcpTransport::new(
+        let mut transport = HostTransport::new(
             rank,
             world_size,
             streams,
-            status.cell(),
-            TcpConfig {
+            HostConfig {
                 timeout: options.timeout,
                 chunk_bytes: options.chunk_bytes,
                 max_gather_bytes: options.max_gather_bytes,
@@ -309,7 +310,18 @@ impl ProcessGroupBuilder {
         } else {
             Transport::Tcp
         };
-        let (jobs, worker) = Worker::spawn(rank, transport, store.clone(), status.cell())?;
+        let limits = Limits {
+            timeout: options.timeout,
+            max_gather_bytes: options.max_gather_bytes,
+        };
+        let backends = Backends::start(
+            rank,
+            world_size,
+            transport,
+            store.clone(),
+            status.cell(),
+            limits,
+        )?;
         log::info!("rank {rank}: joined a group of {world_size} through the store at {store_addr}");
         Ok(ProcessGroup {
             rank,
@@ -319,12 +331,9 @@ impl ProcessGroupBuilder {
             store,
             status,
             options,
-            jobs: Some(jobs),
-            worker: Some(worker),
+            backends,
             all_reduces: AtomicU64::new(0),
             transport: in_use,
-            #[cfg(feature = "train")]
-            devices: Default::default(),
             #[cfg(feature = "train")]
             samplers: Default::default(),
             _server: server,

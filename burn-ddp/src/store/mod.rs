@@ -29,9 +29,6 @@ use native::{Handshake, NativeClient};
 /// Extra time a client waits for an answer beyond the wait it asked the server for.
 const ANSWER_MARGIN: Duration = Duration::from_secs(10);
 
-/// Store key of the job secret ranks agree on when the launcher gave them none (c10d only).
-pub const SECRET_KEY: &str = keys::SECRET;
-
 /// Which kind of store a process group joins.
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub enum StoreKind {
@@ -326,10 +323,13 @@ impl Store {
     /// admits only processes that reached the store.
     pub(crate) fn agree_on_secret(&self) -> Result<JobSecret> {
         let proposal = JobSecret::generate()?;
-        let agreed = self.compare_set(SECRET_KEY, b"", proposal.as_bytes())?;
+        let agreed = self.compare_set(keys::SECRET, b"", proposal.as_bytes())?;
         JobSecret::new(agreed).map_err(|e| DdpError::Store {
             addr: self.addr.clone(),
-            reason: format!("the store holds an unusable job secret under {SECRET_KEY:?}: {e}"),
+            reason: format!(
+                "the store holds an unusable job secret under {:?}: {e}",
+                keys::SECRET
+            ),
         })
     }
 }

@@ -18,6 +18,7 @@ use super::params::{Assign, Flatten, Select, flat_values, layout};
 use crate::ProcessGroup;
 use crate::collectives::{ReduceOp, Work};
 use crate::error::{DdpError, Result};
+use crate::status::name_ranks;
 use crate::wire::Writer;
 
 /// How `DdpLearner` keeps buffers (float state without gradient, such as BatchNorm's running
@@ -154,8 +155,9 @@ pub(crate) fn check_replicas(group: &ProcessGroup, values: &[f32], when: &str) -
         return Ok(());
     }
     Err(DdpError::Disagreement(format!(
-        "the replicas diverged {when}: rank(s) {differ:?} hold another model than rank 0 \
+        "the replicas diverged {when}: {} hold(s) another model than rank 0 \
          (parameters or buffers differ); a rank changed its model outside the optimizer step, \
-         or the ranks synchronise buffers differently"
+         or the ranks synchronise buffers differently",
+        name_ranks(&differ)
     )))
 }

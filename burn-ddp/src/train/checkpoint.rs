@@ -94,6 +94,17 @@ pub struct Position {
     pub world_size: usize,
 }
 
+impl Position {
+    /// The start of `epoch` in a job of `world_size` ranks.
+    pub(crate) fn start_of(epoch: usize, world_size: usize) -> Self {
+        Position {
+            epoch,
+            world_size,
+            ..Position::default()
+        }
+    }
+}
+
 /// Why a checkpoint could not be taken, decoded or loaded.
 #[derive(Debug, thiserror::Error)]
 pub(crate) enum SnapshotError {
@@ -282,12 +293,14 @@ pub(crate) fn save(
 /// Every rank learns whether rank 0 managed to `verb` the checkpoint (`problem` is empty when it
 /// did; only rank 0's counts), so a failure stops every rank with rank 0's reason.
 fn rank_0_outcome(group: &ProcessGroup, verb: &str, problem: String) -> Result<()> {
-    let all = group.all_gather(problem.into_bytes()).wait()?;
-    match all.first().filter(|e| !e.is_empty()) {
+    let mine = Writer::default().bytes(problem.as_bytes()).buf.clone();
+    let said = group.gather_said(mine)?;
+    let problems = said.decode_each("a checkpoint outcome", |r| r.string())?;
+    match problems.first().filter(|e| !e.is_empty()) {
         None => Ok(()),
         Some(e) => Err(DdpError::Checkpoint {
             rank: group.rank(),
-            reason: format!("rank 0 could not {verb} it: {}", String::from_utf8_lossy(e)),
+            reason: format!("rank 0 could not {verb} it: {e}"),
         }),
     }
 }
@@ -334,10 +347,11 @@ pub(crate) fn load(group: &ProcessGroup, config: &CheckpointConfig) -> Result<Op
         (Vec::new(), String::new())
     };
     rank_0_outcome(group, "read", problem)?;
-    let len = group
-        .broadcast((raw.len() as u64).to_le_bytes().to_vec(), 0)
-        .wait()?;
-    let len = u64::from_le_bytes(len.try_into().unwrap_or_default());
+    let len = Writer::default().u64(raw.len() as u64).buf.clone();
+    let len = group.broadcast(len, 0).wait()?;
+    let len = Reader::new(&len)
+        .u64()
+        .map_err(|e| fail(format!("rank 0 sent a malformed length: {e}")))?;
     if len == 0 {
         return Ok(None);
     }

@@ -10,7 +10,7 @@
 use burn::tensor::{Device, Int, Tensor, TensorData};
 use burn::train::{ClassificationOutput, RegressionOutput};
 
-use super::telemetry::{JobStats, STATS_LEN, StepStats};
+use super::telemetry::{JobStats, StepStats};
 use crate::ProcessGroup;
 use crate::collectives::Work;
 use crate::error::{DdpError, Result};
@@ -197,14 +197,15 @@ impl<T: GlobalItem> PendingItem<T> {
             return Ok(PendingItem::Local(item, stats));
         }
         let flags = u8::from(item.is_some()) * HAS_ITEM + u8::from(stats.is_some()) * HAS_STATS;
-        let mut bytes = vec![flags];
+        let mut w = Writer::default();
+        w.u8(flags);
         if let Some(stats) = stats {
-            bytes.extend(stats.encode());
+            stats.encode(&mut w);
         }
         if let Some(item) = item {
-            bytes.extend(item.encode()?);
+            w.bytes(&item.encode()?);
         }
-        Ok(PendingItem::Gathering(group.all_gather(bytes)))
+        Ok(PendingItem::Gathering(group.all_gather(w.buf)))
     }
 
     /// Waits for the gather; rank 0 gets the combined output (`None` if no rank had a batch)
@@ -224,18 +225,16 @@ impl<T: GlobalItem> PendingItem<T> {
         let mut items = Vec::new();
         let mut stats = Vec::with_capacity(parts.len());
         for (r, part) in parts.into_iter().enumerate() {
-            let malformed = || DdpError::Tensor(format!("metrics item from rank {r}: malformed"));
-            let (&flags, mut rest) = part.split_first().ok_or_else(malformed)?;
-            stats.push(if flags & HAS_STATS != 0 {
-                let s = StepStats::decode(rest).ok_or_else(malformed)?;
-                rest = &rest[STATS_LEN..];
-                Some(s)
-            } else {
-                None
-            });
+            let malformed =
+                |e| DdpError::Tensor(format!("metrics item from rank {r}: malformed ({e})"));
+            let mut reader = Reader::new(&part);
+            let flags = reader.u8().map_err(malformed)?;
+            let mine = (flags & HAS_STATS != 0).then(|| StepStats::decode(&mut reader));
+            stats.push(mine.transpose().map_err(malformed)?);
             if flags & HAS_ITEM != 0 {
-                items.push(rest.to_vec());
+                items.push(reader.bytes().map_err(malformed)?.to_vec());
             }
+            reader.finish().map_err(malformed)?;
         }
         let item = if items.is_empty() {
             None

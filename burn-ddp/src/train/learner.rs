@@ -15,7 +15,7 @@
 
 use std::fmt::Display;
 use std::path::PathBuf;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
 use burn::optim::ModuleOptimizer;
 use burn::optim::lr_scheduler::module_lr_scheduler::ModuleLrScheduler;
@@ -34,10 +34,10 @@ use super::progress::ProgressOutput;
 use super::quiet::QuietRenderer;
 use super::reducer::GradientReducer;
 use super::sampler::DistributedSampler;
-use super::strategy::DdpStrategy;
+use super::settings::SharedSettings;
+use super::strategy::{DdpStrategy, Feeding, Samplers};
 use super::telemetry::trace::Trace;
 use crate::error::{DdpError, Result};
-use crate::signals::StopSignals;
 use crate::status::Phase;
 use crate::{ProcessGroup, init_process_group};
 
@@ -49,16 +49,10 @@ pub struct DdpLearner<M: LearnerModel> {
     lr: ModuleLrScheduler,
     group: Arc<ProcessGroup>,
     buckets: BucketConfig,
-    samplers: Vec<DistributedSampler>,
-    valid_samplers: Vec<DistributedSampler>,
-    shard_loaders: bool,
-    settings: Vec<(String, String)>,
+    samplers: Samplers,
+    shared: SharedSettings,
     checkpoints: Option<CheckpointConfig>,
-    desync_check: bool,
     progress: ProgressOutput,
-    buffer_sync: BufferSync,
-    uneven: bool,
-    compression: Compression,
     profile: Option<PathBuf>,
 }
 
@@ -87,16 +81,10 @@ impl<M: LearnerModel> DdpLearner<M> {
             lr: lr.into(),
             group,
             buckets: BucketConfig::default(),
-            samplers: Vec::new(),
-            valid_samplers: Vec::new(),
-            shard_loaders: true,
-            settings: Vec::new(),
+            samplers: Samplers::default(),
+            shared: SharedSettings::default(),
             checkpoints: None,
-            desync_check: true,
             progress: ProgressOutput::default(),
-            buffer_sync: BufferSync::default(),
-            uneven: false,
-            compression: Compression::default(),
             profile: None,
         }
     }
@@ -112,7 +100,7 @@ impl<M: LearnerModel> DdpLearner<M> {
     /// Without one, each rank trains on a contiguous slice of the loader (see
     /// [`DdpLearner::shard_loaders`]).
     pub fn sampler(mut self, sampler: &DistributedSampler) -> Self {
-        self.samplers.push(sampler.clone());
+        self.samplers.train.push(sampler.clone());
         self
     }
 
@@ -120,7 +108,7 @@ impl<M: LearnerModel> DdpLearner<M> {
     /// every item is evaluated once): the learner sets its epoch and does not shard the
     /// validation loader itself.
     pub fn valid_sampler(mut self, sampler: &DistributedSampler) -> Self {
-        self.valid_samplers.push(sampler.clone());
+        self.samplers.valid.push(sampler.clone());
         self
     }
 
@@ -130,14 +118,14 @@ impl<M: LearnerModel> DdpLearner<M> {
     /// shuffle, if any, reorders within each rank's slice. Rank 0 logs what it did. With
     /// `false`, each rank's loaders are taken as its share already (sharded by your own code).
     pub fn shard_loaders(mut self, shard: bool) -> Self {
-        self.shard_loaders = shard;
+        self.shared.shard_loaders = shard;
         self
     }
 
     /// A training setting every rank must agree on (batch size, learning rate, seed...):
     /// compared across ranks before training; a mismatch stops every rank naming the field.
     pub fn setting(mut self, name: &str, value: impl Display) -> Self {
-        self.settings.push((name.to_string(), value.to_string()));
+        self.shared.user.push((name.to_string(), value.to_string()));
         self
     }
 
@@ -151,7 +139,7 @@ impl<M: LearnerModel> DdpLearner<M> {
     /// Whether every bucket's fingerprint is checked (default true: ranks reducing different
     /// steps or layouts stop with an error). Switch off only to measure the check's cost.
     pub fn desync_check(mut self, check: bool) -> Self {
-        self.desync_check = check;
+        self.shared.desync_check = check;
         self
     }
 
@@ -166,7 +154,7 @@ impl<M: LearnerModel> DdpLearner<M> {
     /// How buffers (BatchNorm's running statistics, every float tensor without gradient) are
     /// kept identical across ranks: default [`BufferSync::Broadcast`], rank 0's at every step.
     pub fn buffer_sync(mut self, mode: BufferSync) -> Self {
-        self.buffer_sync = mode;
+        self.shared.buffer_sync = mode;
         self
     }
 
@@ -178,7 +166,7 @@ impl<M: LearnerModel> DdpLearner<M> {
     /// PyTorch does: in a step where only `k` of `n` ranks have a batch, the update is the sum
     /// of their gradients divided by `n`. Costs a tiny all-reduce per step.
     pub fn uneven_inputs(mut self, uneven: bool) -> Self {
-        self.uneven = uneven;
+        self.shared.uneven = uneven;
         self
     }
 
@@ -186,7 +174,7 @@ impl<M: LearnerModel> DdpLearner<M> {
     /// [`Compression::Bf16`] or [`Compression::Fp16`] halve the bytes sent (PyTorch's
     /// fp16/bf16 communication hooks). Gradients are averaged to the format's precision.
     pub fn compression(mut self, compression: Compression) -> Self {
-        self.compression = compression;
+        self.shared.compression = compression;
         self
     }
 
@@ -218,18 +206,13 @@ impl<M: LearnerModel> DdpLearner<M> {
             .autodiff();
         let model = self.model.fork(&device);
         self.group.status().enter(Phase::Starting, None);
-        let mut settings = self.settings;
-        settings.push(("shard_loaders".into(), self.shard_loaders.to_string()));
-        settings.push(("desync_check".into(), self.desync_check.to_string()));
-        settings.push(("buffer_sync".into(), self.buffer_sync.to_string()));
-        settings.push(("uneven_inputs".into(), self.uneven.to_string()));
-        settings.push(("compression".into(), self.compression.to_string()));
-        check_agreement(&self.group, &layout(&model), &settings)?;
+        let shared = &self.shared;
+        check_agreement(&self.group, &layout(&model), &shared.entries())?;
         let model = broadcast_module(model, &self.group)?;
         let reducer = GradientReducer::new(&model, self.group.clone(), self.buckets)?
-            .desync_check(self.desync_check)
-            .compression(self.compression);
-        let buffers = Buffers::new(self.buffer_sync, self.group.clone(), &model);
+            .desync_check(shared.desync_check)
+            .compression(shared.compression);
+        let buffers = Buffers::new(shared.buffer_sync, self.group.clone(), &model);
         let trace = match &self.profile {
             Some(dir) => Some(Arc::new(Trace::new(dir, self.group.rank()).map_err(
                 |e| {
@@ -239,20 +222,18 @@ impl<M: LearnerModel> DdpLearner<M> {
             )?)),
             None => None,
         };
-        let strategy = DdpStrategy {
-            buffers,
-            uneven: self.uneven,
-            trace,
-            signals: StopSignals::arm(self.group.rank(), self.group.options().timeout)?,
-            group: self.group,
-            device,
-            reducer,
+        let feeding = Feeding {
             samplers: self.samplers,
-            valid_samplers: self.valid_samplers,
-            shard_loaders: self.shard_loaders,
-            checkpoints: self.checkpoints,
-            failure: Arc::new(Mutex::new(None)),
+            shard_loaders: shared.shard_loaders,
+            uneven: shared.uneven,
         };
+        let strategy = DdpStrategy::new(
+            (self.group, device),
+            (reducer, buffers),
+            feeding,
+            self.checkpoints,
+            trace,
+        )?;
         Ok((Learner::new(model, self.optim, self.lr), strategy))
     }
 
@@ -262,7 +243,8 @@ impl<M: LearnerModel> DdpLearner<M> {
     fn check_samplers(&self) -> Result<()> {
         let registered = |s: &DistributedSampler| {
             let for_split = |list: &[DistributedSampler]| list.iter().any(|r| r.same_as(s));
-            usize::from(for_split(&self.samplers)) + usize::from(for_split(&self.valid_samplers))
+            usize::from(for_split(&self.samplers.train))
+                + usize::from(for_split(&self.samplers.valid))
         };
         let in_use = self.group.samplers().in_use();
         if let Some((sampler, datasets)) = in_use.iter().find(|(s, n)| *n > registered(s)) {
@@ -301,7 +283,7 @@ where
         let rank = learner.group.rank();
         let progress = learner.progress;
         let (learner, strategy) = learner.prepare()?;
-        let failure = strategy.failure.clone();
+        let failure = strategy.failure();
         let training = if rank == 0 {
             match progress.renderer() {
                 Some(renderer) => self.renderer(renderer),

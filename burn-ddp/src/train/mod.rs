@@ -14,7 +14,7 @@ mod progress;
 mod quiet;
 mod reducer;
 mod sampler;
-mod shard;
+mod settings;
 mod stop;
 mod strategy;
 mod telemetry;

@@ -17,6 +17,8 @@ use burn::train::metric::{
 };
 use burn::train::{ClassificationOutput, RegressionOutput};
 
+use crate::wire::{DecodeError, Reader, Writer};
+
 pub(crate) mod trace;
 
 /// One rank's figures for one optimizer step, in seconds and bytes.
@@ -34,12 +36,8 @@ pub struct StepStats {
     pub bytes: f64,
 }
 
-/// Bytes of an encoded [`StepStats`].
-pub(crate) const STATS_LEN: usize = 5 * 8;
-
 impl StepStats {
-    pub(crate) fn encode(&self) -> [u8; STATS_LEN] {
-        let mut out = [0u8; STATS_LEN];
+    pub(crate) fn encode(&self, w: &mut Writer) {
         let fields = [
             self.compute,
             self.pack,
@@ -47,24 +45,18 @@ impl StepStats {
             self.exposed,
             self.bytes,
         ];
-        for (chunk, v) in out.chunks_exact_mut(8).zip(fields) {
-            chunk.copy_from_slice(&v.to_le_bytes());
+        for v in fields {
+            w.f64(v);
         }
-        out
     }
 
-    pub(crate) fn decode(bytes: &[u8]) -> Option<StepStats> {
-        let mut v = bytes
-            .get(..STATS_LEN)?
-            .chunks_exact(8)
-            .map(|c| c.try_into().map(f64::from_le_bytes).unwrap_or(f64::NAN));
-        let mut next = || v.next().unwrap_or(f64::NAN);
-        Some(StepStats {
-            compute: next(),
-            pack: next(),
-            communication: next(),
-            exposed: next(),
-            bytes: next(),
+    pub(crate) fn decode(r: &mut Reader<'_>) -> Result<StepStats, DecodeError> {
+        Ok(StepStats {
+            compute: r.f64()?,
+            pack: r.f64()?,
+            communication: r.f64()?,
+            exposed: r.f64()?,
+            bytes: r.f64()?,
         })
     }
 }
@@ -316,8 +308,10 @@ mod tests {
             bytes: 4e6,
         };
         let a = s(0.010);
-        assert_eq!(StepStats::decode(&a.encode()), Some(a));
-        assert_eq!(StepStats::decode(&[0; 8]), None);
+        let mut w = Writer::default();
+        a.encode(&mut w);
+        assert_eq!(StepStats::decode(&mut Reader::new(&w.buf)), Ok(a));
+        assert!(StepStats::decode(&mut Reader::new(&[0; 8])).is_err());
         let job = JobStats::combine(&[Some(s(0.010)), None, Some(s(0.030)), Some(s(0.012))])
             .expect("rank 0 has figures");
         assert_eq!(job.slowest, 2);

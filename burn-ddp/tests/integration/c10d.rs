@@ -245,7 +245,10 @@ fn a_group_forms_and_fails_through_a_pytorch_store_and_attempts_stay_apart() {
     // The ranks agreed on a job secret through the store.
     let addr = format!("127.0.0.1:{}", py.port);
     let peek = Store::connect_c10d(&addr, Duration::from_secs(5), "burn_ddp/attempt_0/").unwrap();
-    let secret = peek.try_get(burn_ddp::store::SECRET_KEY).unwrap().unwrap();
+    let secret = peek
+        .try_get(burn_ddp::testing::SECRET_KEY)
+        .unwrap()
+        .unwrap();
     assert_eq!(secret.len(), 64);
 
     // Attempt 1 on the same store sees none of attempt 0's keys (failure record included).
@@ -259,7 +262,10 @@ fn a_group_forms_and_fails_through_a_pytorch_store_and_attempts_stay_apart() {
     assert_eq!(fine, vec![(2.0, None), (2.0, None)]);
     let other = Store::connect_c10d(&addr, Duration::from_secs(5), "burn_ddp/attempt_1/").unwrap();
     assert_ne!(
-        other.try_get(burn_ddp::store::SECRET_KEY).unwrap().unwrap(),
+        other
+            .try_get(burn_ddp::testing::SECRET_KEY)
+            .unwrap()
+            .unwrap(),
         secret
     );
 }

@@ -1,14 +1,15 @@
-//! Across hosts for real: a cluster of network namespaces on this machine (`launch::cluster`),
-//! one `burn-ddp-run` per host. Correct results across hosts, faults of the network between
-//! them, and nothing left behind. Needs root: without it each test prints SKIPPED and why.
+//! Across hosts for real: a cluster of network namespaces on this machine
+//! (`burn_ddp::testing::cluster`), one `burn-ddp-run` per host. Correct results across hosts,
+//! faults of the network between them, and nothing left behind. Needs root: without it each
+//! test prints SKIPPED and why.
 
 use std::io::Read;
 use std::path::PathBuf;
 use std::process::{Child, ExitStatus};
 use std::time::{Duration, Instant};
 
-use burn_ddp::launch::cluster::{Cluster, ClusterConfig, ClusterError, ClusterJob};
 use burn_ddp::secret::JobSecret;
+use burn_ddp::testing::cluster::{Cluster, ClusterConfig, ClusterError, ClusterJob};
 
 use crate::bins::example_bin;
 

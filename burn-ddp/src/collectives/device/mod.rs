@@ -1,5 +1,5 @@
-//! Collectives on burn tensors, with the backend chosen once per device kind (as PyTorch's
-//! c10d picks a backend per device type):
+//! Collectives on burn tensors, with the backend chosen once per device kind
+//! ([`DeviceBackend`], as PyTorch's c10d picks a backend per device type):
 //! - CUDA devices (feature `nccl`): NCCL on the tensor's CubeCL buffer, on NCCL's own stream
 //!   ([`nccl`]);
 //! - every other burn device (CPU's `flex`, wgpu on Vulkan, Metal or DX12, ...): host staging,
@@ -20,11 +20,11 @@ use std::sync::Mutex;
 
 use burn::tensor::{Device, Tensor};
 
+use super::backend::Backends;
 use super::buffer::{Broadcastable, Gatherable, Reducible, sealed};
+use super::worker::Worker;
 use super::{ReduceOp, Work};
-use crate::ProcessGroup;
 use crate::error::{DdpError, Result};
-use crate::group::Worker;
 use crate::wire::{Reader, Writer};
 
 /// The kinds of device a rank's tensors can be on, as far as the choice of transport goes.
@@ -64,9 +64,13 @@ impl Kind {
     }
 }
 
-/// How tensors of one device kind travel.
+/// How tensors of one device kind travel: the backend of a device kind.
+///
+/// One enum, not a trait: the set is closed (the buffer traits are sealed, and each variant is
+/// a module here), the operations are generic over element types (a trait of them would not be
+/// object-safe), and NCCL is a cargo feature, which a `#[cfg]` on one variant states plainly.
 #[derive(Clone)]
-enum Route {
+pub(crate) enum DeviceBackend {
     /// Device -> host -> TCP ring or shared memory -> device.
     Staged,
     /// NCCL on the device buffers.
@@ -74,21 +78,21 @@ enum Route {
     Nccl(burn_ddp_nccl::NcclComm),
 }
 
-impl Route {
+impl DeviceBackend {
     fn name(&self) -> &'static str {
         match self {
-            Route::Staged => "host staging (TCP or shared memory)",
+            DeviceBackend::Staged => "host staging (TCP or shared memory)",
             #[cfg(feature = "nccl")]
-            Route::Nccl(_) => "NCCL",
+            DeviceBackend::Nccl(_) => "NCCL",
         }
     }
 }
 
-/// The routes chosen so far, one per device kind (a process group's per-device state).
+/// The backends chosen so far, one per device kind (a process group's per-device state).
 #[derive(Default)]
 pub(crate) struct DeviceBackends {
-    chosen: Mutex<Vec<(Kind, Route)>>,
-    /// Held while a route is agreed and joined, so that two threads do not join twice; not
+    chosen: Mutex<Vec<(Kind, DeviceBackend)>>,
+    /// Held while a backend is agreed and joined, so that two threads do not join twice; not
     /// `chosen`'s lock, so an abort never waits for a join.
     joining: Mutex<()>,
 }
@@ -98,14 +102,14 @@ impl DeviceBackends {
     /// ends within a poll, and none waits for ranks that will not come.
     pub(crate) fn abort(&self) {
         #[cfg(feature = "nccl")]
-        for (_, route) in crate::sync::lock(&self.chosen).iter() {
-            if let Route::Nccl(comm) = route {
+        for (_, chosen) in crate::sync::lock(&self.chosen).iter() {
+            if let DeviceBackend::Nccl(comm) = chosen {
                 comm.abort();
             }
         }
     }
 
-    fn get(&self, kind: Kind) -> Option<Route> {
+    fn get(&self, kind: Kind) -> Option<DeviceBackend> {
         crate::sync::lock(&self.chosen)
             .iter()
             .find(|(k, _)| *k == kind)
@@ -113,33 +117,33 @@ impl DeviceBackends {
     }
 }
 
-/// The route of tensors on `device`, agreed with the other ranks on first use of its kind.
-fn route(group: &ProcessGroup, device: &Device) -> Result<Route> {
+/// The backend of tensors on `device`, agreed with the other ranks on first use of its kind.
+fn backend(group: &Backends, device: &Device) -> Result<DeviceBackend> {
     let kind = Kind::of(device);
-    let backends = group.device_backends();
-    if let Some(route) = backends.get(kind) {
-        return Ok(route);
+    let backends = group.devices();
+    if let Some(chosen) = backends.get(kind) {
+        return Ok(chosen);
     }
     let _joining = crate::sync::lock(&backends.joining);
-    if let Some(route) = backends.get(kind) {
-        return Ok(route);
+    if let Some(chosen) = backends.get(kind) {
+        return Ok(chosen);
     }
     let described = format!("{device:?}");
     group
         .on_worker(move |w| agree(w, kind, &described))
         .wait()?;
-    let route = match kind {
+    let chosen = match kind {
         #[cfg(feature = "nccl")]
-        Kind::Cuda => Route::Nccl(nccl::join(group, device)?),
-        _ => Route::Staged,
+        Kind::Cuda => DeviceBackend::Nccl(nccl::join(group, device)?),
+        _ => DeviceBackend::Staged,
     };
     log::info!(
         "rank {}: collectives of tensors on {device:?} travel by {}",
         group.rank(),
-        route.name()
+        chosen.name()
     );
-    crate::sync::lock(&backends.chosen).push((kind, route.clone()));
-    Ok(route)
+    crate::sync::lock(&backends.chosen).push((kind, chosen.clone()));
+    Ok(chosen)
 }
 
 /// Every rank's kind of device, gathered (one small host gather): a rank on another kind than
@@ -182,28 +186,28 @@ fn agree(w: &mut Worker, kind: Kind, device: &str) -> Result<()> {
 impl sealed::Sealed for Tensor<1> {}
 
 impl Reducible for Tensor<1> {
-    fn start_all_reduce(self, group: &ProcessGroup, op: ReduceOp) -> Work<Self> {
-        if group.world_size() == 1 {
+    fn start_all_reduce(self, group: &Backends, op: ReduceOp) -> Work<Self> {
+        if group.world() == 1 {
             return Work::done(group.rank(), Ok(self));
         }
-        match route(group, &self.device()) {
-            Ok(Route::Staged) => staged::all_reduce(group, self, op),
+        match backend(group, &self.device()) {
+            Ok(DeviceBackend::Staged) => staged::all_reduce(group, self, op),
             #[cfg(feature = "nccl")]
-            Ok(Route::Nccl(comm)) => nccl::all_reduce(group, &comm, self, op),
+            Ok(DeviceBackend::Nccl(comm)) => nccl::all_reduce(group, &comm, self, op),
             Err(e) => Work::done(group.rank(), Err(e)),
         }
     }
 }
 
 impl Broadcastable for Tensor<1> {
-    fn start_broadcast(self, group: &ProcessGroup, root: usize) -> Work<Self> {
-        if group.world_size() == 1 && root == 0 {
+    fn start_broadcast(self, group: &Backends, root: usize) -> Work<Self> {
+        if group.world() == 1 && root == 0 {
             return Work::done(group.rank(), Ok(self));
         }
-        match route(group, &self.device()) {
-            Ok(Route::Staged) => staged::broadcast(group, self, root),
+        match backend(group, &self.device()) {
+            Ok(DeviceBackend::Staged) => staged::broadcast(group, self, root),
             #[cfg(feature = "nccl")]
-            Ok(Route::Nccl(comm)) => nccl::broadcast(group, &comm, self, root),
+            Ok(DeviceBackend::Nccl(comm)) => nccl::broadcast(group, &comm, self, root),
             Err(e) => Work::done(group.rank(), Err(e)),
         }
     }
@@ -212,14 +216,14 @@ impl Broadcastable for Tensor<1> {
 impl Gatherable for Tensor<1> {
     type Gathered = Vec<Tensor<1>>;
 
-    fn start_all_gather(self, group: &ProcessGroup) -> Work<Vec<Tensor<1>>> {
-        if group.world_size() == 1 {
+    fn start_all_gather(self, group: &Backends) -> Work<Vec<Tensor<1>>> {
+        if group.world() == 1 {
             return Work::done(group.rank(), Ok(vec![self]));
         }
-        match route(group, &self.device()) {
-            Ok(Route::Staged) => staged::all_gather(group, self),
+        match backend(group, &self.device()) {
+            Ok(DeviceBackend::Staged) => staged::all_gather(group, self),
             #[cfg(feature = "nccl")]
-            Ok(Route::Nccl(comm)) => nccl::all_gather(group, &comm, self),
+            Ok(DeviceBackend::Nccl(comm)) => nccl::all_gather(group, &comm, self),
             Err(e) => Work::done(group.rank(), Err(e)),
         }
     }

@@ -17,16 +17,18 @@ use burn::tensor::{Device, Tensor};
 use burn_ddp_nccl::{NcclComm, NcclError, Pending};
 
 use super::invalid;
+use crate::collectives::agreement::Said;
+use crate::collectives::backend::Backends;
+use crate::collectives::worker::{Elsewhere, Worker};
 use crate::collectives::{ReduceOp, Work};
 use crate::error::{DdpError, Result};
-use crate::group::{Elsewhere, ProcessGroup, Said, Worker};
 use crate::wire::{Reader, Writer};
 
 /// Joins the group's NCCL communicator on the GPU of `device`.
-pub(super) fn join(group: &ProcessGroup, device: &Device) -> Result<NcclComm> {
+pub(super) fn join(group: &Backends, device: &Device) -> Result<NcclComm> {
     let gpu = burn_ddp_nccl::cuda_ordinal(device)
         .ok_or_else(|| DdpError::Disagreement(format!("{device:?} is not a CUDA device")))?;
-    let (world, timeout) = (group.world_size(), group.options().timeout);
+    let (world, timeout) = (group.world(), group.timeout());
     group
         .on_worker(move |w| {
             let id = exchange_id(w)?;
@@ -102,7 +104,7 @@ fn failed(w: &mut Worker, op: String, e: NcclError, found: Option<Elsewhere>) ->
 
 /// Starts an all-reduce.
 pub(super) fn all_reduce(
-    group: &ProcessGroup,
+    group: &Backends,
     comm: &NcclComm,
     tensor: Tensor<1>,
     op: ReduceOp,
@@ -119,7 +121,7 @@ pub(super) fn all_reduce(
 
 /// Starts a broadcast from `root`.
 pub(super) fn broadcast(
-    group: &ProcessGroup,
+    group: &Backends,
     comm: &NcclComm,
     tensor: Tensor<1>,
     root: usize,
@@ -132,11 +134,11 @@ pub(super) fn broadcast(
 /// host transport, in the same job), so that NCCL never reads past a shorter rank's buffer nor
 /// mixes types.
 pub(super) fn all_gather(
-    group: &ProcessGroup,
+    group: &Backends,
     comm: &NcclComm,
     tensor: Tensor<1>,
 ) -> Work<Vec<Tensor<1>>> {
-    let world = group.world_size();
+    let world = group.world();
     let n = tensor.shape().num_elements();
     let shape = gather_shape(n, tensor.dtype());
     let started = comm.start_all_gather(tensor);

@@ -10,12 +10,13 @@ use burn::tensor::{DType, Tensor, TensorData};
 use half::{bf16, f16};
 
 use super::invalid;
+use crate::collectives::backend::Backends;
+use crate::collectives::worker::Worker;
 use crate::collectives::{Reduce, ReduceOp, Work};
 use crate::error::Result;
-use crate::group::{ProcessGroup, Worker};
 
 /// Starts the all-reduce of a float tensor through the host.
-pub(super) fn all_reduce(group: &ProcessGroup, tensor: Tensor<1>, op: ReduceOp) -> Work<Tensor<1>> {
+pub(super) fn all_reduce(group: &Backends, tensor: Tensor<1>, op: ReduceOp) -> Work<Tensor<1>> {
     group.on_worker(move |w| {
         let (device, dtype) = (tensor.device(), tensor.dtype());
         let mut data = read_back(w, "all_reduce", tensor)?;
@@ -35,7 +36,7 @@ pub(super) fn all_reduce(group: &ProcessGroup, tensor: Tensor<1>, op: ReduceOp) 
 }
 
 /// Starts the broadcast of a tensor from `root` through the host.
-pub(super) fn broadcast(group: &ProcessGroup, tensor: Tensor<1>, root: usize) -> Work<Tensor<1>> {
+pub(super) fn broadcast(group: &Backends, tensor: Tensor<1>, root: usize) -> Work<Tensor<1>> {
     group.on_worker(move |w| {
         let (device, dtype) = (tensor.device(), tensor.dtype());
         let data = read_back(w, "broadcast", tensor)?;
@@ -49,7 +50,7 @@ pub(super) fn broadcast(group: &ProcessGroup, tensor: Tensor<1>, root: usize) ->
 
 /// Starts the all-gather of a tensor through the host: every rank's tensor, by rank. Every rank
 /// must give the same length and element type.
-pub(super) fn all_gather(group: &ProcessGroup, tensor: Tensor<1>) -> Work<Vec<Tensor<1>>> {
+pub(super) fn all_gather(group: &Backends, tensor: Tensor<1>) -> Work<Vec<Tensor<1>>> {
     let rank = group.rank();
     group.on_worker(move |w| {
         let (device, dtype) = (tensor.device(), tensor.dtype());

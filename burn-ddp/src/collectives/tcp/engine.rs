@@ -16,13 +16,13 @@ use mio::{Events, Interest, Poll, Token};
 
 use super::PeerFailure;
 use super::frame::{FrameKind, HEADER_LEN, Header};
-use super::schedule::{Action, Schedule};
 use crate::collectives::OpDesc;
+use crate::collectives::schedule::{Action, Schedule};
 use crate::error::{DdpError, Result};
 
 /// Reduces a received chunk (second argument) into the buffer's bytes (first); the flag marks
 /// the last reduction of a segment.
-pub(super) type ReduceFn<'a> = dyn FnMut(&mut [u8], &[u8], bool) + 'a;
+pub(crate) type ReduceFn<'a> = dyn FnMut(&mut [u8], &[u8], bool) + 'a;
 
 /// The two ranks a schedule runs between: it sends to `next` and receives from `prev` (the
 /// whole group's ring, or the ring of one local rank per host in a hierarchical all-reduce).
@@ -58,7 +58,7 @@ struct Peer {
 }
 
 /// One rank's connections and the loop that moves a schedule's bytes over them.
-pub(super) struct Engine {
+pub(crate) struct Engine {
     rank: usize,
     world: usize,
     peers: Vec<Option<Peer>>,
@@ -80,7 +80,7 @@ fn is_would_block(e: &io::Error) -> bool {
 
 impl Engine {
     /// Takes over the connected streams from [`super::mesh::connect`] (`None` for this rank).
-    pub(super) fn new(
+    pub(crate) fn new(
         rank: usize,
         world: usize,
         streams: Vec<Option<std::net::TcpStream>>,
@@ -124,7 +124,7 @@ impl Engine {
 
     /// Sets this rank's predecessor in its ring across hosts (hierarchical all-reduce), a peer
     /// that sends it data besides the group ring's predecessor.
-    pub(super) fn set_cross_prev(&mut self, prev: usize) {
+    pub(crate) fn set_cross_prev(&mut self, prev: usize) {
         self.cross_prev = Some(prev);
     }
 
@@ -136,7 +136,7 @@ impl Engine {
     }
 
     /// The group's ring: this rank's successor and predecessor by rank.
-    pub(super) fn ring(&self) -> Neighbours {
+    pub(crate) fn ring(&self) -> Neighbours {
         let n = self.world;
         Neighbours {
             next: (self.rank + 1) % n,
@@ -148,7 +148,7 @@ impl Engine {
     /// until both lists are done, reducing received chunks with `reduce` as the schedule says.
     /// Fails when a peer closes, leaves, stalls for the whole timeout or sends something that
     /// does not fit.
-    pub(super) fn run(
+    pub(crate) fn run(
         &mut self,
         op: &OpDesc,
         buf: &mut [u8],
@@ -326,7 +326,7 @@ impl Engine {
 
     /// Whether `peer` closed its connection or left the group (for transports that wait on it
     /// elsewhere, as shared memory does): what happened, in words.
-    pub(super) fn peer_gone(&mut self, peer: usize) -> Option<String> {
+    pub(crate) fn peer_gone(&mut self, peer: usize) -> Option<String> {
         let senders = self.senders();
         if let Err(fault) = check_control(&mut self.peers, peer, senders) {
             return Some(fault.detail);
@@ -342,7 +342,7 @@ impl Engine {
     /// goodbyes stay in the socket for the operations that read them, so a peer that ran ahead
     /// or left cleanly is not taken for dead.
     #[cfg(feature = "nccl")]
-    pub(super) fn dead_peer(&self) -> Option<(usize, String)> {
+    pub(crate) fn dead_peer(&self) -> Option<(usize, String)> {
         self.peers.iter().enumerate().find_map(|(peer, p)| {
             let p = p.as_ref().filter(|p| !p.departed)?;
             let mut byte = [0u8; 1];
@@ -356,14 +356,14 @@ impl Engine {
     }
 
     /// Closes every connection at once, so the peers notice this rank stopped.
-    pub(super) fn close(&mut self) {
+    pub(crate) fn close(&mut self) {
         for p in self.peers.iter().flatten() {
             let _ = p.stream.shutdown(Shutdown::Both);
         }
     }
 
     /// Tells every peer this rank leaves cleanly, then closes the connections for writing.
-    pub(super) fn leave(&mut self) {
+    pub(crate) fn leave(&mut self) {
         let goodbye = Header::goodbye().encode();
         let deadline = Instant::now() + Duration::from_secs(1);
         for p in self.peers.iter().flatten() {

@@ -2,57 +2,121 @@
 //! `SupervisedLearningStrategy`: every rank trains on its shard, gradients are averaged in
 //! buckets (once per optimizer step, also with gradient accumulation), rank 0 alone reports
 //! metrics (gathered from all ranks), writes checkpoints and decides early stopping.
+//!
+//! As burn-train's own `strategies/ddp/`, one type per file: the strategy here
+//! ([`DdpStrategy`]), the epoch loop (`epochs.rs`), the training and validation passes of an
+//! epoch (`train_epoch.rs`, `valid_epoch.rs`) over one split pass (`split.rs`), what a step
+//! works on and produces (`step.rs`), the loaders' sharding (`shard.rs`) and the training
+//! state on disk (`state.rs`).
 
 use std::sync::{Arc, Mutex};
 
 use burn::tensor::Device;
-use burn::train::metric::store::EventStoreClient;
 use burn::train::{
-    CloneEarlyStoppingStrategy, EventProcessorTraining, InferenceStep, Interrupter, Learner,
-    LearnerEvent, LearnerModel, LearningCheckpointer, LearningResult, SupervisedLearningStrategy,
-    SupervisedTrainingEventProcessor, TrainLoader, TrainStep, TrainingComponents, ValidLoader,
+    EventProcessorTraining, InferenceStep, Interrupter, Learner, LearnerEvent, LearnerModel,
+    LearningResult, SupervisedLearningStrategy, SupervisedTrainingEventProcessor, TrainLoader,
+    TrainStep, TrainingComponents, ValidLoader,
 };
 
-mod epoch;
+mod epochs;
+mod shard;
 mod split;
 mod state;
+mod step;
+mod train_epoch;
+mod valid_epoch;
 
+use self::epochs::EpochLoop;
+use self::shard::Split;
 use super::buffers::Buffers;
 use super::checkpoint::{CheckpointConfig, Position};
 use super::gather::GlobalItem;
 use super::reducer::GradientReducer;
 use super::sampler::DistributedSampler;
-use super::shard::Split;
-use super::stop::Stop;
 use super::telemetry::trace::Trace;
 use crate::ProcessGroup;
 use crate::error::{DdpError, Result};
 use crate::signals::StopSignals;
-use crate::status::Phase;
 
-/// The custom strategy `DdpLearner` installs. Errors of collectives stop training on every
-/// rank and are handed back through `failure`.
-pub(crate) struct DdpStrategy {
-    pub group: Arc<ProcessGroup>,
-    pub device: Device,
-    pub reducer: GradientReducer,
-    /// The training split's samplers.
-    pub samplers: Vec<DistributedSampler>,
-    /// The validation split's samplers.
-    pub valid_samplers: Vec<DistributedSampler>,
+/// The samplers registered for each split.
+#[derive(Default)]
+pub(crate) struct Samplers {
+    /// The training split's.
+    pub train: Vec<DistributedSampler>,
+    /// The validation split's.
+    pub valid: Vec<DistributedSampler>,
+}
+
+impl Samplers {
+    /// Sets every sampler's epoch; the training samplers skip the `samples` the job consumed
+    /// of a resumed epoch.
+    fn start_epoch(&self, epoch: usize, samples: usize) {
+        for s in &self.train {
+            s.resume(epoch, samples);
+        }
+        for s in &self.valid {
+            s.set_epoch(epoch);
+        }
+    }
+}
+
+/// How the strategy feeds its ranks.
+pub(crate) struct Feeding {
+    /// The samplers registered for each split.
+    pub samplers: Samplers,
     /// Whether splits without a sampler are sharded by slicing (see `shard.rs`).
     pub shard_loaders: bool,
-    pub checkpoints: Option<CheckpointConfig>,
-    pub failure: Arc<Mutex<Option<DdpError>>>,
-    pub signals: StopSignals,
-    pub buffers: Buffers,
     /// Whether ranks may hold different numbers of training batches (join), as configured.
     pub uneven: bool,
+}
+
+/// The custom strategy `DdpLearner` installs. Errors of collectives stop training on every
+/// rank and are handed back through [`DdpStrategy::failure`].
+pub(crate) struct DdpStrategy {
+    group: Arc<ProcessGroup>,
+    device: Device,
+    reducer: GradientReducer,
+    buffers: Buffers,
+    samplers: Samplers,
+    shard_loaders: bool,
+    uneven: bool,
+    checkpoints: Option<CheckpointConfig>,
+    failure: Arc<Mutex<Option<DdpError>>>,
+    signals: StopSignals,
     /// This rank's Chrome trace, if profiling.
-    pub trace: Option<Arc<Trace>>,
+    trace: Option<Arc<Trace>>,
 }
 
 impl DdpStrategy {
+    /// The strategy that trains on `device` with `reducer` and `buffers` over `group`, fed as
+    /// `feeding` says, writing `checkpoints` and (if profiling) `trace`.
+    pub(crate) fn new(
+        (group, device): (Arc<ProcessGroup>, Device),
+        (reducer, buffers): (GradientReducer, Buffers),
+        feeding: Feeding,
+        checkpoints: Option<CheckpointConfig>,
+        trace: Option<Arc<Trace>>,
+    ) -> Result<Self> {
+        Ok(DdpStrategy {
+            signals: StopSignals::arm(group.rank(), group.options().timeout)?,
+            group,
+            device,
+            reducer,
+            buffers,
+            samplers: feeding.samplers,
+            shard_loaders: feeding.shard_loaders,
+            uneven: feeding.uneven,
+            checkpoints,
+            failure: Arc::new(Mutex::new(None)),
+            trace,
+        })
+    }
+
+    /// Where the first error that stopped training is kept (read after burn-train returns).
+    pub(crate) fn failure(&self) -> Arc<Mutex<Option<DdpError>>> {
+        self.failure.clone()
+    }
+
     fn is_main(&self) -> bool {
         self.group.rank() == 0
     }
@@ -80,157 +144,6 @@ impl DdpStrategy {
         let mut slot = crate::sync::lock(&self.failure);
         slot.get_or_insert(error);
     }
-
-    fn run<M>(
-        &self,
-        loop_: &mut EpochLoop<M>,
-        learner: &mut Learner<M>,
-        train: TrainLoader<M>,
-        valid: ValidLoader<M>,
-        start: Position,
-    ) -> Result<()>
-    where
-        M: LearnerModel,
-        <M as TrainStep>::Output: GlobalItem,
-        <M as InferenceStep>::Output: GlobalItem,
-    {
-        let interrupter = loop_.interrupter.clone();
-        let processor = &mut loop_.processor;
-        let world = self.group.world_size();
-        let train = train.to_device(&self.device);
-        let valid = valid.to_device(&self.device.clone().inner());
-        // Before the first step: shard the splits without a sampler, agree on the counts.
-        let plan = self.plan_loaders(
-            (train, Split::new("training", &self.samplers, self.uneven)),
-            // Validation ranks may hold different numbers of batches: metrics count every
-            // item once.
-            (valid, Split::new("validation", &self.valid_samplers, true)),
-        )?;
-        learner.fork(&self.device);
-        let status = self.group.status();
-        for epoch in start.epoch..=loop_.num_epochs {
-            let from = if epoch == start.epoch {
-                start
-            } else {
-                Position {
-                    epoch,
-                    ..Position::default()
-                }
-            };
-            for s in &self.samplers {
-                s.resume(epoch, from.samples);
-            }
-            for s in &self.valid_samplers {
-                s.set_epoch(epoch);
-            }
-            status.enter(Phase::Training, Some(epoch));
-            let train = plan.train.resumed(from.samples);
-            let valid = &plan.valid.loader;
-            let train_items = self.split_items(&train)?;
-            if self.is_main() {
-                interrupter.fail_on_error(processor.process_train(LearnerEvent::StartSplit {
-                    epoch_number: epoch,
-                    total_items: train_items.total(),
-                }));
-            }
-            let end = self.train_epoch(
-                learner,
-                &train,
-                from,
-                (&train_items, plan.train_uneven),
-                loop_.grad_accumulation,
-                processor,
-                &loop_.event_store,
-                &interrupter,
-            )?;
-            if self.is_main() {
-                interrupter.fail_on_error(processor.process_train(LearnerEvent::EndSplit(epoch)));
-            }
-            match end.stop {
-                Stop::Continue => {}
-                Stop::Interrupted => break,
-                Stop::Signal(signal) => {
-                    // Mid-epoch: a checkpoint at this step; at the split's end: at the next
-                    // epoch (this epoch's validation is skipped).
-                    let at = match end.progress.filter(|p| !p.is_completed()) {
-                        Some(progress) => Position {
-                            epoch,
-                            batches: end.iteration,
-                            samples: from.samples + progress.items_processed,
-                            world_size: world,
-                        },
-                        None => Position {
-                            epoch: epoch + 1,
-                            world_size: world,
-                            ..Position::default()
-                        },
-                    };
-                    return Err(self.stopped(learner, at, signal, &loop_.event_store));
-                }
-            }
-            // Buffers agree (averaged, if so configured) before validation, and the replicas
-            // are checked once per epoch.
-            let model = learner.model();
-            self.buffers.settle(&model)?;
-            self.buffers
-                .check_replicas(&model, &format!("in training epoch {epoch}"))?;
-            self.write_trace();
-            status.enter(Phase::Validation, Some(epoch));
-            let valid_items = self.split_items(valid)?;
-            if self.is_main() {
-                interrupter.fail_on_error(processor.process_valid(LearnerEvent::StartSplit {
-                    epoch_number: epoch,
-                    total_items: valid_items.total(),
-                }));
-            }
-            let valid_end =
-                self.valid_epoch(learner, valid, &valid_items, processor, &interrupter)?;
-            status.enter(Phase::Checkpointing, Some(epoch));
-            let mut stop = false;
-            if self.is_main() {
-                interrupter.fail_on_error(processor.process_valid(LearnerEvent::EndSplit(epoch)));
-                interrupter.fail_on_error(processor.process_train(LearnerEvent::EndEpoch(epoch)));
-                if loop_.checkpointer.is_some() || loop_.early_stopping.is_some() {
-                    interrupter.fail_on_error(processor.flush());
-                }
-                if let Some(checkpointer) = &mut loop_.checkpointer {
-                    checkpointer.checkpoint(learner, epoch, &loop_.event_store);
-                }
-                if let Some(early) = &mut loop_.early_stopping {
-                    stop = early.should_stop(epoch, &loop_.event_store);
-                }
-                stop |= interrupter.should_stop();
-            }
-            let next = Position {
-                epoch: epoch + 1,
-                world_size: world,
-                ..Position::default()
-            };
-            self.checkpoint(learner, next, &loop_.event_store)?;
-            // Everyone waits for rank 0's checkpoint and follows the vote.
-            match valid_end.stop.or(self.voters(&interrupter).agree(stop)?) {
-                Stop::Continue => {}
-                Stop::Interrupted => break,
-                Stop::Signal(signal) => {
-                    let checkpoint = self.checkpoints.as_ref().map(|c| c.path());
-                    return Err(self.stopped_error(next, signal, checkpoint));
-                }
-            }
-        }
-        status.enter(Phase::Finished, None);
-        Ok(())
-    }
-}
-
-/// The parts of burn-train's `TrainingComponents` the epoch loop uses.
-struct EpochLoop<M: LearnerModel> {
-    num_epochs: usize,
-    grad_accumulation: Option<usize>,
-    interrupter: Interrupter,
-    processor: SupervisedTrainingEventProcessor<M>,
-    checkpointer: Option<LearningCheckpointer<M>>,
-    early_stopping: Option<Box<dyn CloneEarlyStoppingStrategy>>,
-    event_store: Arc<EventStoreClient>,
 }
 
 impl<M> SupervisedLearningStrategy<M> for DdpStrategy
@@ -239,37 +152,31 @@ where
     <M as TrainStep>::Output: GlobalItem,
     <M as InferenceStep>::Output: GlobalItem,
 {
-    /// burn-train's default, with the start and end events (and so the renderer's output) on
-    /// rank 0 only.
+    /// burn-train's default `train`, copied because it must differ in two ways: the start and
+    /// end events (and so the renderer's output) are rank 0's only, and the summary cannot name
+    /// the model (burn-train's `LearnerSummaryConfig::with_model` is `pub(crate)`).
     fn train(
         &self,
-        learner: Learner<M>,
+        mut learner: Learner<M>,
         train: TrainLoader<M>,
         valid: ValidLoader<M>,
         mut components: TrainingComponents<M>,
     ) -> LearningResult<M> {
-        let mut learner = learner;
-        let fresh = Position {
-            epoch: components.checkpoint.unwrap_or(0) + 1,
-            ..Position::default()
-        };
+        let fresh = Position::start_of(components.checkpoint.unwrap_or(0) + 1, 0);
         // A checkpoint of this run, if configured and present, decides where training goes on.
         let start = self.resume(&mut learner).map(|p| p.unwrap_or(fresh));
-        let starting_epoch = start.as_ref().map_or(fresh.epoch, |p| p.epoch);
         let summary_config = components.summary.clone();
         let interrupter = components.interrupter.clone();
         if self.is_main() {
-            interrupter.fail_on_error(components.event_processor.process_train(
-                LearnerEvent::Start {
-                    total_epochs: components.num_epochs,
-                    starting_epoch,
-                    label: components.label.clone(),
-                },
-            ));
+            let event = LearnerEvent::Start {
+                total_epochs: components.num_epochs,
+                starting_epoch: start.as_ref().map_or(fresh.epoch, |p| p.epoch),
+                label: components.label.clone(),
+            };
+            interrupter.fail_on_error(components.event_processor.process_train(event));
         }
         let (model, mut processor) = self.fit_from(components, learner, train, valid, start);
         if self.is_main() {
-            // burn-train's summary names the model through a crate-private setter.
             let summary = summary_config.and_then(|summary| summary.init().ok());
             interrupter.fail_on_error(processor.process_train(LearnerEvent::End(summary)));
             interrupter.fail_on_error(processor.flush());
@@ -290,10 +197,7 @@ where
         valid: ValidLoader<M>,
         starting_epoch: usize,
     ) -> (M, SupervisedTrainingEventProcessor<M>) {
-        let start = Position {
-            epoch: starting_epoch,
-            ..Position::default()
-        };
+        let start = Position::start_of(starting_epoch, 0);
         self.fit_from(components, learner, train, valid, Ok(start))
     }
 }
@@ -313,23 +217,29 @@ impl DdpStrategy {
         <M as TrainStep>::Output: GlobalItem,
         <M as InferenceStep>::Output: GlobalItem,
     {
-        let mut loop_ = EpochLoop {
-            num_epochs: components.num_epochs,
-            grad_accumulation: components.grad_accumulation,
-            interrupter: components.interrupter,
-            processor: components.event_processor,
-            checkpointer: components.checkpointer,
-            early_stopping: components.early_stopping,
-            event_store: components.event_store,
-        };
+        let mut epochs = EpochLoop::new(self, components);
         // SyncBatchNorm layers take their statistics over this group.
         let _scope = crate::nn::scope(self.group.clone());
-        let outcome =
-            start.and_then(|start| self.run(&mut loop_, &mut learner, train, valid, start));
+        let outcome = start.and_then(|start| {
+            let train = train.to_device(&self.device);
+            let valid = valid.to_device(&self.device.clone().inner());
+            // Before the first step: shard the splits without a sampler, agree on the counts.
+            let plan = self.plan_loaders(
+                (
+                    train,
+                    Split::new("training", &self.samplers.train, self.uneven),
+                ),
+                // Validation ranks may hold different numbers of batches: metrics count every
+                // item once.
+                (valid, Split::new("validation", &self.samplers.valid, true)),
+            )?;
+            learner.fork(&self.device);
+            epochs.run(&mut learner, plan, start)
+        });
         if let Err(e) = outcome {
-            self.fail(&loop_.interrupter, e);
+            self.fail(epochs.interrupter(), e);
         }
         self.write_trace();
-        (learner.model(), loop_.processor)
+        (learner.model(), epochs.into_processor())
     }
 }

@@ -1,24 +1,25 @@
-//! One split (the training or the validation pass of an epoch): batches through a step
-//! function, each step's output gathered to rank 0 while the next step computes, and the
-//! ranks' pipelined vote on stopping after every step where it is possible.
+//! One split (the training or the validation pass of an epoch) as a [`SplitPass`]: batches
+//! through a step function, each step's output gathered to rank 0 while the next step
+//! computes, and the ranks' pipelined vote on stopping after every step where it is possible.
 
 use std::sync::Arc;
 
-use burn::data::dataloader::{DataLoader, Progress};
+use burn::data::dataloader::{DataLoader, DataLoaderIterator, Progress};
 use burn::optim::lr_scheduler::module_lr_scheduler::ModuleLearningRate;
 use burn::tensor::Device;
 use burn::train::{EventProcessorError, Interrupter, LearnerEvent, TrainingItem};
 
 use super::DdpStrategy;
+use super::step::{Batch, StepResult};
 use crate::collectives::ReduceOp;
 use crate::error::{DdpError, Result};
 use crate::train::gather::{GlobalItem, PendingItem};
 use crate::train::stop::{StepVote, Stop, Voters};
-use crate::train::telemetry::{self, StepStats};
-use crate::wire::{Reader, Writer};
+use crate::train::telemetry;
+use crate::wire::Writer;
 
 /// A step's output on its way to rank 0's event processor.
-pub(super) struct Report<T> {
+struct Report<T> {
     item: PendingItem<T>,
     progress: Progress,
     iteration: usize,
@@ -33,28 +34,6 @@ pub(super) struct SplitEnd {
     pub iteration: usize,
     /// The job's progress after it.
     pub progress: Option<Progress>,
-}
-
-/// What one step produced: its output (`None` without a batch), the learning rate used,
-/// whether the ranks may stop after it (false inside a gradient accumulation), and its
-/// telemetry (an optimizer step's).
-pub(super) type StepOutput<T> = (
-    Option<T>,
-    Option<ModuleLearningRate>,
-    bool,
-    Option<StepStats>,
-);
-
-/// What a step of a split works on.
-pub(super) enum Batch<I> {
-    /// This rank's next batch.
-    Item(I),
-    /// Uneven inputs: this rank's shard is exhausted, another rank's is not. The rank takes
-    /// part in the step's collectives without data (zero gradients, no metrics item).
-    Idle,
-    /// Uneven inputs: every rank's shard is exhausted; finish what is pending (the last, partial
-    /// gradient accumulation). The split ends after it.
-    End,
 }
 
 /// Each rank's number of items in a split.
@@ -93,106 +72,110 @@ impl DdpStrategy {
     /// Each rank's number of items in a split, in rank order (they may differ).
     pub(super) fn split_items<I>(&self, loader: &Arc<dyn DataLoader<I>>) -> Result<SplitItems> {
         let mine = Writer::default().u64(loader.num_items() as u64).buf.clone();
-        let all = self.group.all_gather(mine).wait()?;
-        let per_rank = all
-            .iter()
-            .enumerate()
-            .map(|(rank, b)| {
-                let mut r = Reader::new(b);
-                let n = r.u64().and_then(|n| r.finish().map(|()| n as usize));
-                n.map_err(|_| {
-                    DdpError::Disagreement(format!("rank {rank} sent a malformed item count"))
-                })
-            })
-            .collect::<Result<_>>()?;
+        let said = self.group.gather_said(mine)?;
+        let per_rank = said.decode_each("an item count", |r| r.u64().map(|n| n as usize))?;
         Ok(SplitItems(per_rank))
     }
 
     /// Whether this rank has a batch in this step, told to every rank with the job's items
     /// processed so far: `None` once no rank has one (uneven inputs, PyTorch's `Join`).
-    fn join(&self, has_batch: bool, processed: usize) -> Result<Option<usize>> {
+    pub(super) fn join(&self, has_batch: bool, processed: usize) -> Result<Option<usize>> {
         let mine = vec![f64::from(u8::from(has_batch)), processed as f64];
         let all = self.group.all_reduce(mine, ReduceOp::Sum).wait()?;
         Ok((all[0] > 0.0).then_some(all[1] as usize))
     }
+}
 
-    /// Runs one split: `step` turns a batch into its output (and the learning rate used); each
-    /// output is gathered to rank 0 while the next step computes, then handed to `process`.
-    /// After each step where stopping is possible the ranks vote (pipelined, see
-    /// [`StepVote`]); the split ends early when they agree to stop.
-    ///
-    /// With `uneven`, ranks may hold different numbers of batches: every step starts with a
-    /// tiny all-reduce saying which ranks still have one; a rank that ran out takes part in the
-    /// steps as [`Batch::Idle`] until none has a batch, then all take a [`Batch::End`] step
-    /// and the split ends together. `total` is the split's items over all ranks.
-    #[allow(clippy::too_many_arguments)]
-    pub(super) fn run_split<I, T: GlobalItem>(
+/// What the step function of a split sends to rank 0's event processor.
+pub(super) type Process<'p, T> =
+    dyn FnMut(LearnerEvent<T>) -> std::result::Result<(), EventProcessorError> + 'p;
+
+/// One pass over a split's loader: every rank loads its batches and hands each to the step
+/// function; with uneven inputs the ranks agree each step whether any still has a batch
+/// (`Batch::Idle` for those that ran out, `Batch::End` once none has one).
+pub(super) struct SplitPass<'a> {
+    strategy: &'a DdpStrategy,
+    device: &'a Device,
+    interrupter: &'a Interrupter,
+    /// Iterations done before this pass (a resumed epoch).
+    first_iteration: usize,
+    /// Whether the ranks may hold different numbers of batches (join).
+    uneven: bool,
+    /// The split's items over all ranks.
+    total: usize,
+}
+
+/// The next batch of a pass, and the job's progress with it.
+struct Next<I> {
+    batch: Batch<I>,
+    progress: Progress,
+}
+
+impl<'a> SplitPass<'a> {
+    /// A pass of `strategy` whose outputs are gathered on `device`, over a split whose ranks
+    /// hold `total` items (`uneven`: possibly in different numbers of batches).
+    pub(super) fn new(
+        strategy: &'a DdpStrategy,
+        device: &'a Device,
+        interrupter: &'a Interrupter,
+        (uneven, total): (bool, usize),
+    ) -> Self {
+        SplitPass {
+            strategy,
+            device,
+            interrupter,
+            first_iteration: 0,
+            uneven,
+            total,
+        }
+    }
+
+    /// Numbers the steps after the `done` iterations of an interrupted epoch.
+    pub(super) fn after(mut self, done: usize) -> Self {
+        self.first_iteration = done;
+        self
+    }
+
+    /// Runs the pass: `step` turns each batch into its [`StepResult`]; each output is gathered
+    /// to rank 0 while the next step computes, then handed to `process`. After each step where
+    /// stopping is possible the ranks vote (pipelined, see [`StepVote`]); the pass ends early
+    /// when they agree to stop. With uneven inputs, a rank that ran out takes part in the steps
+    /// as [`Batch::Idle`] until none has a batch, then all take a [`Batch::End`] step and the
+    /// pass ends together.
+    pub(super) fn run<I, T: GlobalItem>(
         &self,
         loader: &Arc<dyn DataLoader<I>>,
-        device: &Device,
-        first_iteration: usize,
-        (uneven, total): (bool, usize),
-        mut step: impl FnMut(Batch<I>, &Progress, usize) -> Result<StepOutput<T>>,
-        mut process: impl FnMut(LearnerEvent<T>) -> std::result::Result<(), EventProcessorError>,
-        interrupter: &Interrupter,
+        mut step: impl FnMut(Batch<I>, &Progress, usize) -> Result<StepResult<T>>,
+        process: &mut Process<'_, T>,
     ) -> Result<SplitEnd> {
-        let world = self.group.world_size();
+        let group = &self.strategy.group;
         let mut iterator = loader.iter();
-        let mut iteration = first_iteration;
+        let mut iteration = self.first_iteration;
         let mut pending: Option<Report<T>> = None;
-        let status = self.group.status();
-        let voters = self.voters(interrupter);
+        let voters = self.strategy.voters(self.interrupter);
         let mut vote = StepVote::default();
         let mut last_progress = None;
         let mut stop = Stop::Continue;
         let mut exhausted = false;
-        loop {
-            let item = if exhausted {
-                None
-            } else {
-                status.activity(Some("loading a batch".into()));
-                let item = iterator.next();
-                status.activity(None);
-                item
-            };
-            // A rank cannot skip a batch alone: its error ends training here, and the other
-            // ranks learn of it from the collectives.
-            let item = item.transpose().map_err(|e| DdpError::Data {
-                rank: self.group.rank(),
-                reason: e.to_string(),
-            })?;
-            exhausted = item.is_none();
-            let own = iterator.progress();
-            let progress = if uneven {
-                let Some(processed) = self.join(item.is_some(), own.items_processed)? else {
-                    step(Batch::End, &global(own, world), iteration)?;
-                    break;
-                };
-                Progress {
-                    items_processed: processed,
-                    items_total: total,
-                    unit: own.unit,
-                }
-            } else {
-                global(own, world)
-            };
-            let batch = match item {
-                Some(item) => Batch::Item(item),
-                None if uneven => Batch::Idle,
-                None => break,
-            };
+        while let Some(Next { batch, progress }) = self.next(&mut *iterator, &mut exhausted)? {
+            if matches!(batch, Batch::End) {
+                step(batch, &progress, iteration)?;
+                break;
+            }
             iteration += 1;
-            status.step(iteration);
-            let (output, lr, boundary, stats) = step(batch, &progress, iteration)?;
+            group.status().step(iteration);
+            let result = step(batch, &progress, iteration)?;
+            let boundary = result.boundary();
+            let (output, lr, stats) = result.into_parts();
             let report = Report {
-                item: PendingItem::start(output, stats, &self.group)?,
+                item: PendingItem::start(output, stats, group)?,
                 progress: progress.clone(),
                 iteration,
                 lr,
             };
             last_progress = Some(progress);
             if let Some(previous) = pending.replace(report) {
-                self.report(previous, device, &mut process, interrupter)?;
+                self.report(previous, process)?;
             }
             if boundary {
                 stop = vote.boundary(&voters)?;
@@ -202,7 +185,7 @@ impl DdpStrategy {
             }
         }
         if let Some(last) = pending {
-            self.report(last, device, &mut process, interrupter)?;
+            self.report(last, process)?;
         }
         if !stop.stops() {
             stop = vote.finish(&voters)?;
@@ -214,22 +197,64 @@ impl DdpStrategy {
         })
     }
 
-    /// Completes a step's gather and, on rank 0, hands the global output to burn-train.
-    fn report<T: GlobalItem>(
+    /// This rank's next batch, or `None` once the pass is over. With uneven inputs the ranks
+    /// agree on it (`Batch::End` once no rank has a batch left).
+    fn next<I>(
         &self,
-        report: Report<T>,
-        device: &Device,
-        process: &mut impl FnMut(LearnerEvent<T>) -> std::result::Result<(), EventProcessorError>,
-        interrupter: &Interrupter,
-    ) -> Result<()> {
-        let (item, stats) = report.item.finish(self.group.rank(), device)?;
+        iterator: &mut dyn DataLoaderIterator<I>,
+        exhausted: &mut bool,
+    ) -> Result<Option<Next<I>>> {
+        let group = &self.strategy.group;
+        let item = if *exhausted {
+            None
+        } else {
+            group.status().activity(Some("loading a batch".into()));
+            let item = iterator.next();
+            group.status().activity(None);
+            item
+        };
+        // A rank cannot skip a batch alone: its error ends training here, and the other
+        // ranks learn of it from the collectives.
+        let item = item.transpose().map_err(|e| DdpError::Data {
+            rank: group.rank(),
+            reason: e.to_string(),
+        })?;
+        *exhausted = item.is_none();
+        let own = iterator.progress();
+        let world = group.world_size();
+        if !self.uneven {
+            return Ok(item.map(|item| Next {
+                batch: Batch::Item(item),
+                progress: global(own, world),
+            }));
+        }
+        let Some(processed) = self.strategy.join(item.is_some(), own.items_processed)? else {
+            return Ok(Some(Next {
+                batch: Batch::End,
+                progress: global(own, world),
+            }));
+        };
+        let progress = Progress {
+            items_processed: processed,
+            items_total: self.total,
+            unit: own.unit,
+        };
+        let batch = item.map_or(Batch::Idle, Batch::Item);
+        Ok(Some(Next { batch, progress }))
+    }
+
+    /// Completes a step's gather and, on rank 0, hands the global output to burn-train.
+    fn report<T: GlobalItem>(&self, report: Report<T>, process: &mut Process<'_, T>) -> Result<()> {
+        let rank = self.strategy.group.rank();
+        let (item, stats) = report.item.finish(rank, self.device)?;
         if let Some(item) = item {
             // The telemetry metrics find the step's figures by its iteration.
             if let Some(stats) = stats {
                 telemetry::record(report.iteration, stats);
             }
             let event = TrainingItem::new(item, report.progress, Some(report.iteration), report.lr);
-            interrupter.fail_on_error(process(LearnerEvent::ProcessedItem(event)));
+            self.interrupter
+                .fail_on_error(process(LearnerEvent::ProcessedItem(event)));
         }
         Ok(())
     }

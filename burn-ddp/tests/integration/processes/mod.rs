@@ -18,8 +18,9 @@ use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 use burn_ddp::env::AGENT_STORE_VAR;
-use burn_ddp::status::{PUBLISH_INTERVAL, Phase};
+use burn_ddp::status::Phase;
 use burn_ddp::store::StoreServer;
+use burn_ddp::testing::PUBLISH_INTERVAL;
 use burn_ddp::train::CheckpointConfig;
 use burn_ddp::{ProcessGroup, ReduceOp};
 

@@ -4,7 +4,8 @@
 
 use std::time::{Duration, Instant};
 
-use burn_ddp::status::{Phase, RankStatus, status_key};
+use burn_ddp::status::Phase;
+use burn_ddp::testing::{decode_status, status_key};
 use burn_ddp::train::{CheckpointConfig, inspect_checkpoint};
 
 use super::{COLLECTIVE_FAILED, finish, rank_error, training_job};
@@ -96,7 +97,7 @@ fn rank_0_killed_while_writing_a_checkpoint_leaves_the_previous_one_and_is_named
     loop {
         let phase = store
             .value(&status_key(0))
-            .and_then(|raw| RankStatus::from_bytes(&raw))
+            .and_then(|raw| decode_status(&raw))
             .map(|s| s.phase);
         if file.exists() && phase == Some(Phase::Checkpointing) {
             break;

@@ -1,5 +1,8 @@
 //! Ring schedules: which byte ranges a rank sends to its successor and receives from its
-//! predecessor, in order, for each collective.
+//! predecessor, in order, for each collective. Shared by the transports: the TCP engine runs
+//! schedules, the host transport builds them (for TCP and for the ring across hosts of a
+//! hierarchical all-reduce), and shared memory cuts its buffers into the same [`balanced`]
+//! segments, so that both transports reduce in the same order.
 //!
 //! Both lists are cut into chunks so large buffers stream: a chunk is forwarded as soon as it
 //! arrived (and was reduced), while later chunks are still in flight. Every segment yields at

@@ -13,10 +13,10 @@ use std::sync::Arc;
 
 use burn::data::dataloader::DataLoader;
 
-use super::sampler::DistributedSampler;
-use super::strategy::DdpStrategy;
+use super::DdpStrategy;
 use crate::error::{DdpError, Result};
 use crate::status::name_ranks;
+use crate::train::sampler::DistributedSampler;
 use crate::wire::{DecodeError, Reader, Writer};
 
 /// One split's loader, as this rank will iterate it.
@@ -133,20 +133,12 @@ impl DdpStrategy {
         let mut mine = Writer::default();
         train_counts.encode(&mut mine);
         valid_counts.encode(&mut mine);
-        let all = self.group.all_gather(mine.buf).wait()?;
-        let mut trains = Vec::with_capacity(all.len());
-        let mut valids = Vec::with_capacity(all.len());
-        for (rank, bytes) in all.iter().enumerate() {
-            let mut r = Reader::new(bytes);
-            let decoded = (Counts::decode(&mut r), Counts::decode(&mut r), r.finish());
-            let (Ok(train), Ok(valid), Ok(())) = decoded else {
-                return Err(DdpError::Disagreement(format!(
-                    "rank {rank} sent malformed loader counts"
-                )));
-            };
-            trains.push(train);
-            valids.push(valid);
-        }
+        let said = self.group.gather_said(mine.buf)?;
+        let decode = |r: &mut Reader<'_>| Ok((Counts::decode(r)?, Counts::decode(r)?));
+        let (trains, valids): (Vec<_>, Vec<_>) = said
+            .decode_each("loader counts", decode)?
+            .into_iter()
+            .unzip();
         let train_uneven = self.agree(&train_split, train.sliced.is_some(), &trains)?;
         self.agree(&valid_split, valid.sliced.is_some(), &valids)?;
         Ok(Plan {

@@ -1,28 +1,73 @@
-//! The collectives of the TCP transport as ring algorithms: each operation is numbered, checked
-//! and turned into a [`Schedule`] (which byte ranges go to the successor and come from the
-//! predecessor, and which are reduced), then run by the socket [`Engine`].
+//! The host transport: the collectives of host buffers, for every rank of the group. It numbers
+//! each operation and chooses, inside itself, how it travels:
+//! - over TCP (`tcp`): ring algorithms turned into a [`Schedule`] (which byte ranges go to the
+//!   successor and come from the predecessor, which are reduced) and run by the socket
+//!   [`Engine`];
+//! - over shared memory (`shm`) when the group chose it at rendezvous: every collective on one
+//!   host, and on several hosts the hierarchical all-reduce (shared memory within each host, a
+//!   TCP ring across hosts, see `net`).
 //!
 //! All-reduce is a ring reduce-scatter followed by a ring all-gather; broadcast is a pipelined
 //! chain from the root; all-gather and barrier are ring all-gathers (a barrier of empty blocks).
+//!
+//! It does not report the rank's status: whoever runs it (the collective thread) is told of
+//! each operation as it starts and ends through a [`Progress`] hook.
 
-use std::sync::Arc;
+mod net;
 
-use super::engine::{Engine, Neighbours, ReduceFn};
+use std::time::Duration;
+
+use self::net::Net;
 use super::schedule::{Schedule, balanced};
-use super::{OpError, OpResult, PeerFailure, TcpConfig};
-use crate::collectives::shm::{self, ShmChannel};
-use crate::collectives::{DType, Element, OpDesc, OpKind, Reduce, ReduceOp};
+use super::shm::{self, ShmChannel};
+use super::tcp::{Engine, Neighbours, PeerFailure, ReduceFn};
+use super::{DType, Element, OpDesc, OpKind, Reduce, ReduceOp};
 use crate::error::Result;
-use crate::status::StatusCell;
+
+/// Tunables of the host transport.
+#[derive(Debug, Clone)]
+pub(crate) struct HostConfig {
+    pub timeout: Duration,
+    pub chunk_bytes: usize,
+    pub max_gather_bytes: usize,
+    pub spin: Duration,
+}
+
+/// Told of each operation as it starts (`Some`) and once it ended well (`None`). A failed
+/// operation is not followed by `None`: it stays the rank's current collective, so that a
+/// report of where the ranks were shows it.
+pub(crate) type Progress = Box<dyn Fn(Option<&OpDesc>) + Send>;
+
+/// Why the transport could not run an operation.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum OpError {
+    /// A peer failed during the operation; the transport refuses every later one.
+    Peer(PeerFailure),
+    /// The arguments cannot work (every rank sees the same, so the ranks stay in step).
+    Invalid {
+        /// The refused operation.
+        op: OpDesc,
+        /// What is wrong.
+        reason: String,
+    },
+    /// An earlier operation failed, or the group closed the connections.
+    Refused {
+        /// The refused operation.
+        op: OpDesc,
+    },
+}
+
+/// Result of a transport operation.
+pub(crate) type OpResult<T> = std::result::Result<T, OpError>;
 
 /// One rank's end of the data plane.
-pub(crate) struct TcpTransport {
+pub(crate) struct HostTransport {
     rank: usize,
     world: usize,
     engine: Engine,
     chunk_bytes: usize,
     max_gather_bytes: usize,
-    status: Arc<StatusCell>,
+    progress: Progress,
     next_seq: u64,
     /// An operation failed or the group closed the connections: every later one is refused.
     broken: bool,
@@ -35,70 +80,32 @@ pub(crate) struct TcpTransport {
     across: Vec<usize>,
 }
 
-/// The network as the shared-memory collectives see it: the engine's sockets, and for an
-/// all-reduce on several hosts the ring across them and the reduction.
-struct Net<'a, 'r> {
-    engine: &'a mut Engine,
-    across: &'a [usize],
-    rank: usize,
-    op: OpDesc,
-    chunk: usize,
-    elem: usize,
-    reduce: Option<&'a mut ReduceFn<'r>>,
-}
-
-impl shm::Peers for Net<'_, '_> {
-    fn gone(&mut self, peer: usize) -> Option<String> {
-        self.engine.peer_gone(peer)
-    }
-
-    fn across_hosts(&mut self, piece: &mut [u8]) -> Result<(), shm::Fault> {
-        let Some(reduce) = self.reduce.as_deref_mut() else {
-            return Err(shm::Fault {
-                peer: self.rank,
-                detail: "an all-reduce across hosts outside an all-reduce".to_string(),
-            });
-        };
-        let n = self.across.len();
-        let pos = self
-            .across
-            .iter()
-            .position(|&r| r == self.rank)
-            .unwrap_or(0);
-        let segments = balanced(piece.len() / self.elem, n, self.elem);
-        let sched = Schedule::ring(&segments, pos, n - 1, 2 * (n - 1), self.chunk);
-        let ring = Neighbours::in_ring(self.across, pos);
-        self.engine
-            .run(&self.op, piece, &sched, ring, reduce)
-            .map_err(|f| shm::Fault {
-                peer: f.culprit,
-                detail: f.detail,
-            })
-    }
-}
-
-impl TcpTransport {
+impl HostTransport {
     /// Takes over the connected streams from [`super::mesh::connect`].
     pub(crate) fn new(
         rank: usize,
         world: usize,
         streams: Vec<Option<std::net::TcpStream>>,
-        status: Arc<StatusCell>,
-        config: TcpConfig,
+        config: HostConfig,
     ) -> Result<Self> {
         let engine = Engine::new(rank, world, streams, config.timeout, config.spin)?;
-        Ok(TcpTransport {
+        Ok(HostTransport {
             rank,
             world,
             engine,
             chunk_bytes: config.chunk_bytes,
             max_gather_bytes: config.max_gather_bytes,
-            status,
+            progress: Box::new(|_| {}),
             next_seq: 0,
             broken: false,
             shm: None,
             across: Vec::new(),
         })
+    }
+
+    /// Tells `progress` of every later operation.
+    pub(crate) fn report_to(&mut self, progress: Progress) {
+        self.progress = progress;
     }
 
     /// Runs later collectives over shared memory: all of them on one host, all-reduce
@@ -132,7 +139,7 @@ impl TcpTransport {
         across: Option<(usize, &mut ReduceFn<'_>)>,
         f: impl FnOnce(&mut ShmChannel, &mut dyn shm::Peers) -> Result<T, shm::Fault>,
     ) -> OpResult<T> {
-        self.status.update(|s| s.collective = Some(op.to_string()));
+        (self.progress)(Some(op));
         let chunk = self.chunk_bytes;
         let Some(channel) = self.shm.as_mut() else {
             return Err(OpError::Refused { op: *op });
@@ -152,7 +159,7 @@ impl TcpTransport {
         };
         match f(channel, &mut net) {
             Ok(v) => {
-                self.clear_status();
+                (self.progress)(None);
                 Ok(v)
             }
             Err(shm::Fault { peer, detail }) => {
@@ -315,11 +322,9 @@ impl TcpTransport {
         self.execute(&op, buf, &sched, &mut |_, _, _| {})
     }
 
-    /// Runs a schedule, publishing the operation as this rank's current collective. A failure
-    /// breaks the transport (later operations are refused) but leaves the connections open:
-    /// the group records the root cause first, then calls [`TcpTransport::close`]. The failed
-    /// operation stays published as this rank's collective, so that the group's report of
-    /// where the ranks were shows it; the group clears it ([`TcpTransport::clear_status`]).
+    /// Runs a schedule, telling [`Progress`] of it. A failure breaks the transport (later
+    /// operations are refused) but leaves the connections open: the collective thread records
+    /// the root cause first, then calls [`HostTransport::close`].
     fn execute(
         &mut self,
         op: &OpDesc,
@@ -327,11 +332,11 @@ impl TcpTransport {
         sched: &Schedule,
         reduce: &mut ReduceFn<'_>,
     ) -> OpResult<()> {
-        self.status.update(|s| s.collective = Some(op.to_string()));
+        (self.progress)(Some(op));
         let ring = self.engine.ring();
         match self.engine.run(op, buf, sched, ring, reduce) {
             Ok(()) => {
-                self.clear_status();
+                (self.progress)(None);
                 Ok(())
             }
             Err(failure) => {
@@ -345,11 +350,6 @@ impl TcpTransport {
     #[cfg(feature = "nccl")]
     pub(crate) fn dead_peer(&self) -> Option<(usize, String)> {
         self.engine.dead_peer()
-    }
-
-    /// Publishes that this rank runs no collective.
-    pub(crate) fn clear_status(&self) {
-        self.status.update(|s| s.collective = None);
     }
 
     /// Closes every connection, so the peers notice at once, and refuses every later operation.

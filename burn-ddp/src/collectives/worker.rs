@@ -11,14 +11,15 @@ use std::sync::Arc;
 use std::sync::mpsc::{self, Sender};
 use std::thread::JoinHandle;
 
-use crate::collectives::tcp::{OpError, OpResult, PeerFailure, TcpTransport};
+use super::host::{HostTransport, OpError, OpResult};
+use super::tcp::PeerFailure;
 use crate::error::{DdpError, Result};
 use crate::failure::FailureRecord;
 use crate::status::StatusCell;
 use crate::store::Store;
 
 /// An operation queued for the collective thread.
-pub(super) type Job = Box<dyn FnOnce(&mut Worker) + Send>;
+pub(crate) type Job = Box<dyn FnOnce(&mut Worker) + Send>;
 
 /// What a wait outside the transport learned of the group (see [`Worker::failure_elsewhere`]).
 #[cfg(feature = "nccl")]
@@ -47,7 +48,7 @@ impl std::fmt::Display for Elsewhere {
 /// The collective thread's state: the transport and what the group agreed went wrong.
 pub(crate) struct Worker {
     rank: usize,
-    transport: TcpTransport,
+    transport: HostTransport,
     store: Arc<Store>,
     status: Arc<StatusCell>,
     /// The group's agreed failure, once there is one.
@@ -59,11 +60,16 @@ impl Worker {
     /// once the queue closes, tells the peers this rank leaves.
     pub(super) fn spawn(
         rank: usize,
-        transport: TcpTransport,
+        mut transport: HostTransport,
         store: Arc<Store>,
         status: Arc<StatusCell>,
     ) -> Result<(Sender<Job>, JoinHandle<()>)> {
         let (jobs, rx) = mpsc::channel::<Job>();
+        // The operation in flight is this rank's published collective.
+        let cell = status.clone();
+        transport.report_to(Box::new(move |op| {
+            cell.update(|s| s.collective = op.map(|op| op.to_string()))
+        }));
         let mut worker = Worker {
             rank,
             transport,
@@ -92,7 +98,7 @@ impl Worker {
     /// Runs one transport operation; its failure becomes the group's error.
     pub(crate) fn run<T>(
         &mut self,
-        op: impl FnOnce(&mut TcpTransport) -> OpResult<T>,
+        op: impl FnOnce(&mut HostTransport) -> OpResult<T>,
     ) -> Result<T> {
         op(&mut self.transport).map_err(|e| match e {
             OpError::Peer(failure) => self.fail(failure),
@@ -183,7 +189,7 @@ impl Worker {
     fn collective_error(&mut self, op: String, cause: String) -> DdpError {
         // Reported while the failed operation is still published as this rank's collective.
         let ranks = self.status.report();
-        self.transport.clear_status();
+        self.status.update(|s| s.collective = None);
         log::error!("rank {}: {op} failed: {cause}; ranks: {ranks}", self.rank);
         let error = DdpError::Collective {
             rank: self.rank,

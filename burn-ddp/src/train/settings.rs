@@ -1,0 +1,88 @@
+//! The settings every rank must share ([`SharedSettings`]): `DdpLearner`'s options that change
+//! what the ranks compute or send, and the user's own (`DdpLearner::setting`). They are
+//! compared across the ranks as a whole, with the model's layout, before the first step
+//! ([`super::check_agreement`]); a mismatch stops every rank naming the setting.
+
+use super::buffers::BufferSync;
+use super::compression::Compression;
+
+/// `DdpLearner`'s settings that every rank must share.
+#[derive(Debug, Clone)]
+pub(crate) struct SharedSettings {
+    /// Whether splits without a sampler are sharded by slicing.
+    pub shard_loaders: bool,
+    /// Whether every bucket's fingerprint is checked.
+    pub desync_check: bool,
+    /// How buffers are kept identical.
+    pub buffer_sync: BufferSync,
+    /// Whether ranks may hold different numbers of training batches (join).
+    pub uneven: bool,
+    /// The format gradient buckets travel in.
+    pub compression: Compression,
+    /// The user's own settings, by name.
+    pub user: Vec<(String, String)>,
+}
+
+impl Default for SharedSettings {
+    fn default() -> Self {
+        SharedSettings {
+            shard_loaders: true,
+            desync_check: true,
+            buffer_sync: BufferSync::default(),
+            uneven: false,
+            compression: Compression::default(),
+            user: Vec::new(),
+        }
+    }
+}
+
+impl SharedSettings {
+    /// Every setting as `(name, value)`: the user's first, then the learner's. The struct is
+    /// taken apart field by field, so a field added to it cannot be left out of the comparison.
+    pub(crate) fn entries(&self) -> Vec<(String, String)> {
+        let SharedSettings {
+            shard_loaders,
+            desync_check,
+            buffer_sync,
+            uneven,
+            compression,
+            user,
+        } = self;
+        let learner = [
+            ("shard_loaders", shard_loaders.to_string()),
+            ("desync_check", desync_check.to_string()),
+            ("buffer_sync", buffer_sync.to_string()),
+            ("uneven_inputs", uneven.to_string()),
+            ("compression", compression.to_string()),
+        ];
+        let mut all = user.clone();
+        all.extend(learner.map(|(name, value)| (name.to_string(), value)));
+        all
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_setting_is_compared_under_its_name() {
+        let mut settings = SharedSettings::default();
+        settings.user.push(("batch_size".into(), "32".into()));
+        settings.compression = Compression::Bf16;
+        let entries = settings.entries();
+        let names: Vec<&str> = entries.iter().map(|(n, _)| n.as_str()).collect();
+        assert_eq!(
+            names,
+            [
+                "batch_size",
+                "shard_loaders",
+                "desync_check",
+                "buffer_sync",
+                "uneven_inputs",
+                "compression"
+            ]
+        );
+        assert_eq!(entries[5].1, Compression::Bf16.to_string());
+    }
+}
