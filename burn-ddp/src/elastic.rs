@@ -15,7 +15,7 @@
 //! the operation and where every rank was); programs call [`record_error`] from `main` for
 //! any other error. The first error recorded in a process is kept.
 
-use std::fmt::{Display, Write as _};
+use std::fmt::Display;
 use std::sync::Mutex;
 use std::time::{SystemTime, UNIX_EPOCH};
 
@@ -95,32 +95,11 @@ pub(crate) fn record_error_with(message: impl FnOnce() -> String) {
 /// The error file's content for `message` at `timestamp` (seconds since the epoch). torchrun
 /// prints `py_callstack` when present, so it holds the message too.
 pub fn error_file_json(message: &str, timestamp: u64) -> String {
-    let m = json_string(message);
+    let m = crate::wire::json_string(message);
     format!(
         "{{\"message\": {{\"message\": {m}, \"extraInfo\": {{\"py_callstack\": {m}, \
          \"timestamp\": \"{timestamp}\"}}}}}}"
     )
-}
-
-/// `s` as a JSON string literal.
-pub(crate) fn json_string(s: &str) -> String {
-    let mut out = String::with_capacity(s.len() + 2);
-    out.push('"');
-    for c in s.chars() {
-        match c {
-            '"' => out.push_str("\\\""),
-            '\\' => out.push_str("\\\\"),
-            '\n' => out.push_str("\\n"),
-            '\r' => out.push_str("\\r"),
-            '\t' => out.push_str("\\t"),
-            c if (c as u32) < 0x20 => {
-                let _ = write!(out, "\\u{:04x}", c as u32);
-            }
-            c => out.push(c),
-        }
-    }
-    out.push('"');
-    out
 }
 
 #[cfg(test)]

@@ -161,85 +161,11 @@ impl LaunchEnv {
         let (rank, world_size, local_rank, local_world_size, source) = match family {
             None => (0, 1, 0, 1, EnvSource::Single),
             Some(f) => {
-                let world_size = parse_required(&get, f.world, f.rank)?;
-                if world_size == 0 {
-                    return Err(invalid(f.world, "0", "a world size of at least 1"));
-                }
-                let rank = parse_required(&get, f.rank, f.world)?;
-                if rank >= world_size {
-                    return Err(invalid(
-                        f.rank,
-                        &rank.to_string(),
-                        &format!("a rank below {}={world_size}", f.world),
-                    ));
-                }
-                let from_layout = match f.source {
-                    EnvSource::Slurm => slurm::local_world_size(&get)?,
-                    _ => None,
-                };
-                let local_world = match (from_layout, get(f.local_world)) {
-                    (Some(n), _) => Some(n),
-                    // Slurm writes e.g. "2(x3)" for heterogeneous layouts: only a plain number
-                    // is usable, anything else means "unknown".
-                    (None, Some(v))
-                        if f.source == EnvSource::Slurm && v.parse::<usize>().is_err() =>
-                    {
-                        None
-                    }
-                    (None, Some(v)) => Some(parse_usize(f.local_world, &v)?),
-                    (None, None) => None,
-                };
-                let local_rank = match get(f.local_rank) {
-                    Some(v) => parse_usize(f.local_rank, &v)?,
-                    None => local_world.map_or(rank, |lw| rank % lw.max(1)),
-                };
-                let local_world = local_world.unwrap_or(world_size);
-                if local_world == 0 || local_rank >= local_world {
-                    return Err(invalid(
-                        f.local_rank,
-                        &local_rank.to_string(),
-                        &match from_layout {
-                            Some(_) => format!(
-                                "a local rank below the {local_world} tasks Slurm placed on this \
-                                 node (SLURM_STEP_TASKS_PER_NODE, SLURM_NODEID)"
-                            ),
-                            None => format!("a local rank below {}={local_world}", f.local_world),
-                        },
-                    ));
-                }
-                (rank, world_size, local_rank, local_world, f.source)
+                let (rank, world, local_rank, local_world) = ranks_of(f, &get)?;
+                (rank, world, local_rank, local_world, f.source)
             }
         };
-
-        let slurm = source == EnvSource::Slurm && world_size > 1;
-        let master_addr = match get("MASTER_ADDR") {
-            Some(a) => Some(a.trim().to_string()),
-            None if slurm => slurm::master_addr(&get)?,
-            None => None,
-        };
-        if world_size > 1 && master_addr.is_none() {
-            return Err(DdpError::MissingEnv {
-                var: "MASTER_ADDR",
-                why: format!(
-                    "the world size is {world_size}, so every rank needs the host of rank 0's \
-                     store (for example MASTER_ADDR=127.0.0.1 on one machine){}",
-                    if slurm {
-                        "; under Slurm it defaults to the first host of SLURM_STEP_NODELIST or \
-                         SLURM_JOB_NODELIST, and neither is set"
-                    } else {
-                        ""
-                    }
-                ),
-            });
-        }
-        let master_port = match get("MASTER_PORT") {
-            None if slurm => slurm::master_port(&get)?.unwrap_or(DEFAULT_MASTER_PORT),
-            None => DEFAULT_MASTER_PORT,
-            Some(v) => match v.trim().parse::<u16>() {
-                Ok(p) if p > 0 => p,
-                _ => return Err(invalid("MASTER_PORT", &v, "a TCP port number in 1..=65535")),
-            },
-        };
+        let (master_addr, master_port) = master_of(&get, world_size, source)?;
         let restart_count = restart_count_from(get)?;
         let torchrun_store = uses_agent_store(get)?;
         let store_kind = if torchrun_store {
@@ -280,6 +206,96 @@ impl LaunchEnv {
                 .map(|v| v.trim().to_string()),
         })
     }
+}
+
+/// Rank, world size, local rank and local world size under the launcher whose variables
+/// are `f`.
+fn ranks_of(
+    f: &Names,
+    get: &impl Fn(&str) -> Option<String>,
+) -> Result<(usize, usize, usize, usize)> {
+    let world_size = parse_required(get, f.world, f.rank)?;
+    if world_size == 0 {
+        return Err(invalid(f.world, "0", "a world size of at least 1"));
+    }
+    let rank = parse_required(get, f.rank, f.world)?;
+    if rank >= world_size {
+        return Err(invalid(
+            f.rank,
+            &rank.to_string(),
+            &format!("a rank below {}={world_size}", f.world),
+        ));
+    }
+    let from_layout = match f.source {
+        EnvSource::Slurm => slurm::local_world_size(get)?,
+        _ => None,
+    };
+    let local_world = match (from_layout, get(f.local_world)) {
+        (Some(n), _) => Some(n),
+        // Slurm writes e.g. "2(x3)" for heterogeneous layouts: only a plain number is usable,
+        // anything else means "unknown".
+        (None, Some(v)) if f.source == EnvSource::Slurm && v.parse::<usize>().is_err() => None,
+        (None, Some(v)) => Some(parse_usize(f.local_world, &v)?),
+        (None, None) => None,
+    };
+    let local_rank = match get(f.local_rank) {
+        Some(v) => parse_usize(f.local_rank, &v)?,
+        None => local_world.map_or(rank, |lw| rank % lw.max(1)),
+    };
+    let local_world = local_world.unwrap_or(world_size);
+    if local_world == 0 || local_rank >= local_world {
+        return Err(invalid(
+            f.local_rank,
+            &local_rank.to_string(),
+            &match from_layout {
+                Some(_) => format!(
+                    "a local rank below the {local_world} tasks Slurm placed on this node \
+                     (SLURM_STEP_TASKS_PER_NODE, SLURM_NODEID)"
+                ),
+                None => format!("a local rank below {}={local_world}", f.local_world),
+            },
+        ));
+    }
+    Ok((rank, world_size, local_rank, local_world))
+}
+
+/// Rank 0's store address and port (`MASTER_ADDR`, `MASTER_PORT`; under Slurm from its node
+/// list and job id when unset).
+fn master_of(
+    get: &impl Fn(&str) -> Option<String>,
+    world_size: usize,
+    source: EnvSource,
+) -> Result<(Option<String>, u16)> {
+    let slurm = source == EnvSource::Slurm && world_size > 1;
+    let master_addr = match get("MASTER_ADDR") {
+        Some(a) => Some(a.trim().to_string()),
+        None if slurm => slurm::master_addr(get)?,
+        None => None,
+    };
+    if world_size > 1 && master_addr.is_none() {
+        return Err(DdpError::MissingEnv {
+            var: "MASTER_ADDR",
+            why: format!(
+                "the world size is {world_size}, so every rank needs the host of rank 0's store \
+                 (for example MASTER_ADDR=127.0.0.1 on one machine){}",
+                if slurm {
+                    "; under Slurm it defaults to the first host of SLURM_STEP_NODELIST or \
+                     SLURM_JOB_NODELIST, and neither is set"
+                } else {
+                    ""
+                }
+            ),
+        });
+    }
+    let master_port = match get("MASTER_PORT") {
+        None if slurm => slurm::master_port(get)?.unwrap_or(DEFAULT_MASTER_PORT),
+        None => DEFAULT_MASTER_PORT,
+        Some(v) => match v.trim().parse::<u16>() {
+            Ok(p) if p > 0 => p,
+            _ => return Err(invalid("MASTER_PORT", &v, "a TCP port number in 1..=65535")),
+        },
+    };
+    Ok((master_addr, master_port))
 }
 
 fn invalid(var: &'static str, value: &str, expected: &str) -> DdpError {

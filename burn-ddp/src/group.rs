@@ -6,8 +6,9 @@
 //! then run on a background thread, one at a time, in the order they were issued; each call
 //! returns a [`Work`] to wait on.
 
-use std::sync::Arc;
+use std::any::Any;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 
 #[cfg(feature = "train")]
 use crate::collectives::agreement::Said;
@@ -50,8 +51,9 @@ pub struct ProcessGroup {
     options: GroupOptions,
     all_reduces: AtomicU64,
     transport: Transport,
-    #[cfg(feature = "train")]
-    samplers: crate::train::SamplerRegistry,
+    /// State the layers above keep per group, one value per type (see
+    /// [`ProcessGroup::attachment`]).
+    attachments: Mutex<Vec<Arc<dyn Any + Send + Sync>>>,
     _server: Option<StoreServer>,
 }
 
@@ -163,10 +165,18 @@ impl ProcessGroup {
         &self.options
     }
 
-    /// The samplers made for this group ([`crate::train::DistributedSampler::for_group`]).
-    #[cfg(feature = "train")]
-    pub(crate) fn samplers(&self) -> &crate::train::SamplerRegistry {
-        &self.samplers
+    /// The group's value of type `T`, made on first use: state a layer above keeps per group
+    /// (the training crate keeps the samplers made for the group), so that the group need not
+    /// know the layers above it.
+    #[cfg_attr(not(feature = "train"), allow(dead_code))]
+    pub(crate) fn attachment<T: Any + Default + Send + Sync>(&self) -> Arc<T> {
+        let mut all = crate::sync::lock(&self.attachments);
+        if let Some(found) = all.iter().find_map(|a| a.clone().downcast::<T>().ok()) {
+            return found;
+        }
+        let made = Arc::new(T::default());
+        all.push(made.clone());
+        made
     }
 
     /// Gathers every rank's `mine` (a description of something every rank must agree on):

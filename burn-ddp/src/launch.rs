@@ -25,24 +25,22 @@ mod exits;
 mod forward;
 mod libraries;
 pub mod output;
+mod supervise;
 
 use std::ffi::OsString;
 use std::net::TcpListener;
 use std::path::PathBuf;
 use std::process::{Child, Command};
-use std::sync::mpsc::{self, RecvTimeoutError};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use exits::Exits;
 use forward::Forwarder;
 use libraries::LibraryLinks;
 use output::OutputPlan;
+use supervise::Supervisor;
 
 use crate::env::{AGENT_STORE_VAR, LAUNCHER_PID_VAR, RESTART_COUNT_VAR};
 use crate::error::{DdpError, Result};
-use crate::failure::{FAILURE_KEY, FailureRecord};
 use crate::secret::{JobSecret, SECRET_VAR};
-use crate::status::{RankStatus, status_key};
 use crate::store::StoreServer;
 
 /// What to launch and how.
@@ -191,10 +189,6 @@ pub fn launch(cfg: &LaunchConfig) -> Result<()> {
     }
 }
 
-/// How long the launcher waits for the rank the others blame to exit, before naming the rank
-/// whose exit it saw first.
-const CULPRIT_GRACE: Duration = Duration::from_secs(2);
-
 /// One start of every rank of this node, to completion or to the first failure.
 fn run_attempt(
     cfg: &LaunchConfig,
@@ -204,60 +198,26 @@ fn run_attempt(
     links: Option<&LibraryLinks>,
 ) -> Result<()> {
     let output = OutputPlan::new(cfg)?;
-    // Node 0 serves the store, bound to the master address only.
-    let server = if cfg.node_rank == 0 {
-        let addr = (cfg.master_addr.as_str(), cfg.master_port.unwrap_or(0));
-        Some(StoreServer::bind_with_secret(addr, Some(secret.clone()))?)
-    } else {
-        None
-    };
-    // Node 0's store has the port (given, or picked by the OS); other nodes were given it.
-    let port = match (&server, cfg.master_port) {
-        (Some(s), _) => s.local_addr().port(),
-        (None, Some(p)) => p,
-        (None, None) => {
-            return Err(DdpError::InvalidConfig(
-                "a node other than node 0 needs the master port".into(),
-            ));
-        }
-    };
-    let world = cfg.nproc_per_node * cfg.nnodes;
+    let (server, port) = serve_store(cfg, secret)?;
     let mut children: Vec<Child> = Vec::new();
     let mut pumps = Vec::new();
     for local in 0..cfg.nproc_per_node {
         let rank = cfg.node_rank * cfg.nproc_per_node + local;
-        let mut cmd = Command::new(&cfg.program);
-        cmd.args(&cfg.args)
-            .envs(cfg.env.iter().map(|(k, v)| (k, v)))
-            .env("RANK", rank.to_string())
-            .env("WORLD_SIZE", world.to_string())
-            .env("LOCAL_RANK", local.to_string())
-            .env("LOCAL_WORLD_SIZE", cfg.nproc_per_node.to_string())
-            .env("GROUP_RANK", cfg.node_rank.to_string())
-            .env("MASTER_ADDR", &cfg.master_addr)
-            .env("MASTER_PORT", port.to_string())
-            .env(SECRET_VAR, secret.to_env_value())
-            .env(AGENT_STORE_VAR, "1")
-            .env(LAUNCHER_PID_VAR, std::process::id().to_string())
-            .env(RESTART_COUNT_VAR, attempt.to_string());
-        if let Some(links) = links {
-            cmd.env("LD_LIBRARY_PATH", links.library_path());
-        }
-        let pipes = match output.attach(&mut cmd, rank, local, attempt) {
-            Ok(p) => p,
+        let mut cmd = rank_command(cfg, (rank, local), (secret, attempt), port, links);
+        let spawned = output
+            .attach(&mut cmd, rank, local, attempt)
+            .and_then(|pipes| {
+                let child = cmd.spawn().map_err(|e| {
+                    let what = format!("starting rank {rank} ({})", cfg.program.display());
+                    DdpError::io(what, e)
+                })?;
+                Ok((child, pipes))
+            });
+        let (mut child, pipes) = match spawned {
+            Ok(spawned) => spawned,
             Err(e) => {
                 kill_all(&mut children);
                 return Err(e);
-            }
-        };
-        let mut child = match cmd.spawn() {
-            Ok(c) => c,
-            Err(e) => {
-                kill_all(&mut children);
-                return Err(DdpError::io(
-                    format!("starting rank {rank} ({})", cfg.program.display()),
-                    e,
-                ));
             }
         };
         if let Some(pipes) = &pipes {
@@ -275,111 +235,66 @@ fn run_attempt(
         children.len(),
         cfg.program.display()
     );
-
-    // One waiter per rank, so exits are seen in the order they happen.
-    let first = cfg.node_rank * cfg.nproc_per_node;
-    let pids: Vec<u32> = children.iter().map(Child::id).collect();
-    forwarder.set_ranks(&pids);
-    let (tx, rx) = mpsc::channel();
-    for (i, mut child) in children.into_iter().enumerate() {
-        let tx = tx.clone();
-        std::thread::spawn(move || {
-            let _ = tx.send((i, child.wait()));
-        });
-    }
-    drop(tx);
-    let n = pids.len();
-    let mut exits = Exits {
-        running: vec![true; n],
-        failures: vec![None; n],
-        statuses: vec![None; n],
-    };
-    let mut result = Ok(());
-    let mut killed = false;
-    loop {
-        // After a stop signal, the ranks have `stop_grace` to end; then they are killed.
-        let wait = match forwarder.received() {
-            _ if killed => Duration::from_millis(50),
-            Some((_, at)) => (at + cfg.stop_grace).saturating_duration_since(Instant::now()),
-            None => Duration::from_millis(200),
-        };
-        let exit = match rx.recv_timeout(wait) {
-            Ok(exit) => exit,
-            Err(RecvTimeoutError::Disconnected) => break,
-            Err(RecvTimeoutError::Timeout) => {
-                if let Some((signal, _)) = forwarder.received()
-                    && wait.is_zero()
-                    && !killed
-                {
-                    say!(
-                        "[burn-ddp] the ranks did not stop within {:?} of {}: killing them",
-                        cfg.stop_grace,
-                        crate::signals::signal_name(signal)
-                    );
-                    forwarder.kill_all();
-                    killed = true;
-                }
-                continue;
-            }
-        };
-        let i = exit.0;
-        // While the ranks stop for a signal, their exits are expected: no rank is blamed.
-        if !exits.record(exit) || result.is_err() || forwarder.received().is_some() {
-            continue;
-        }
-        // This rank may have failed because of another: the ranks' failure record names the
-        // culprit. Give it a moment to exit too, so that the report names the root cause.
-        let culprit = server
-            .as_ref()
-            .and_then(|s| s.value(FAILURE_KEY))
-            .and_then(|raw| FailureRecord::from_bytes(&raw))
-            .and_then(|r| r.culprit?.checked_sub(first))
-            .filter(|c| *c < n && *c != i);
-        let mut named = i;
-        if let Some(c) = culprit {
-            let deadline = Instant::now() + CULPRIT_GRACE;
-            while exits.running[c] {
-                match rx.recv_timeout(deadline.saturating_duration_since(Instant::now())) {
-                    Ok(other) => {
-                        exits.record(other);
-                    }
-                    Err(_) => break,
-                }
-            }
-            if exits.failures[c].is_some() {
-                named = c;
-            }
-        }
-        let failure = exits.failures[named].clone().unwrap_or_default();
-        let last = server
-            .as_ref()
-            .and_then(|s| s.value(&status_key(first + named)))
-            .and_then(|raw| RankStatus::from_bytes(&raw));
-        let failure = match last {
-            Some(status) => format!("{failure}; it last reported: {status}"),
-            None => failure,
-        };
-        log::error!("rank {} {failure}; stopping the other ranks", first + named);
-        result = Err(DdpError::RankFailed {
-            rank: first + named,
-            status: failure,
-        });
-        for (pid, _) in pids.iter().zip(&exits.running).filter(|(_, r)| **r) {
-            kill_pid(*pid, None);
-        }
-    }
+    let result = Supervisor::new(cfg, forwarder, server.as_ref()).watch(children);
     for p in pumps {
         let _ = p.join();
     }
-    forwarder.set_ranks(&[]);
-    match forwarder.received() {
-        Some((signal, _)) => exits.stopped(signal, first),
-        None => result,
+    result
+}
+
+/// Node 0 serves the store, bound to the master address only; the store's port (given, or
+/// picked by the OS on node 0).
+fn serve_store(cfg: &LaunchConfig, secret: &JobSecret) -> Result<(Option<StoreServer>, u16)> {
+    let server = if cfg.node_rank == 0 {
+        let addr = (cfg.master_addr.as_str(), cfg.master_port.unwrap_or(0));
+        Some(StoreServer::bind_with_secret(addr, Some(secret.clone()))?)
+    } else {
+        None
+    };
+    let port = match (&server, cfg.master_port) {
+        (Some(s), _) => s.local_addr().port(),
+        (None, Some(p)) => p,
+        (None, None) => {
+            return Err(DdpError::InvalidConfig(
+                "a node other than node 0 needs the master port".into(),
+            ));
+        }
+    };
+    Ok((server, port))
+}
+
+/// The command of rank `rank` (local rank `local`) in start `attempt`, with the launcher
+/// variables set.
+fn rank_command(
+    cfg: &LaunchConfig,
+    (rank, local): (usize, usize),
+    (secret, attempt): (&JobSecret, usize),
+    port: u16,
+    links: Option<&LibraryLinks>,
+) -> Command {
+    let world = cfg.nproc_per_node * cfg.nnodes;
+    let mut cmd = Command::new(&cfg.program);
+    cmd.args(&cfg.args)
+        .envs(cfg.env.iter().map(|(k, v)| (k, v)))
+        .env("RANK", rank.to_string())
+        .env("WORLD_SIZE", world.to_string())
+        .env("LOCAL_RANK", local.to_string())
+        .env("LOCAL_WORLD_SIZE", cfg.nproc_per_node.to_string())
+        .env("GROUP_RANK", cfg.node_rank.to_string())
+        .env("MASTER_ADDR", &cfg.master_addr)
+        .env("MASTER_PORT", port.to_string())
+        .env(SECRET_VAR, secret.to_env_value())
+        .env(AGENT_STORE_VAR, "1")
+        .env(LAUNCHER_PID_VAR, std::process::id().to_string())
+        .env(RESTART_COUNT_VAR, attempt.to_string());
+    if let Some(links) = links {
+        cmd.env("LD_LIBRARY_PATH", links.library_path());
     }
+    cmd
 }
 
 /// Sends `signal` (SIGKILL if `None`) to a rank that is still running.
-fn kill_pid(pid: u32, signal: Option<i32>) {
+pub(super) fn kill_pid(pid: u32, signal: Option<i32>) {
     #[cfg(unix)]
     if let Some(pid) = rustix::process::Pid::from_raw(pid as i32) {
         use rustix::process::Signal;

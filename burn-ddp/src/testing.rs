@@ -21,6 +21,11 @@ pub fn status_key(rank: usize) -> String {
     crate::store::keys::status(rank)
 }
 
+/// The store key of a rank's data-plane address.
+pub fn mesh_addr_key(rank: usize) -> String {
+    crate::store::keys::mesh_addr(rank)
+}
+
 /// Decodes a status read from the store by other means than [`RankStatus::fetch`].
 pub fn decode_status(raw: &[u8]) -> Option<RankStatus> {
     RankStatus::from_bytes(raw)

@@ -1,4 +1,5 @@
-//! Bounded binary encoding shared by the store protocol and the data-plane handshake.
+//! Bounded binary encoding shared by the store protocol and the data-plane handshake, and JSON
+//! string literals for the files burn-ddp writes (torchrun's error file, Chrome traces).
 //!
 //! Messages are length-prefixed frames (`u32` little-endian length, then the body). A reader
 //! never trusts a length it has not checked against the bytes actually present or a fixed
@@ -29,6 +30,7 @@ impl Writer {
         self.buf.extend_from_slice(&v.to_le_bytes());
         self
     }
+    #[cfg_attr(not(feature = "train"), allow(dead_code))]
     pub(crate) fn f64(&mut self, v: f64) -> &mut Self {
         self.buf.extend_from_slice(&v.to_le_bytes());
         self
@@ -79,6 +81,7 @@ impl<'a> Reader<'a> {
     pub(crate) fn i64(&mut self) -> Result<i64, DecodeError> {
         self.array().map(i64::from_le_bytes)
     }
+    #[cfg_attr(not(feature = "train"), allow(dead_code))]
     pub(crate) fn f64(&mut self) -> Result<f64, DecodeError> {
         self.array().map(f64::from_le_bytes)
     }
@@ -203,6 +206,27 @@ pub(crate) fn read_frame(r: &mut impl Read, max_len: usize) -> Result<Vec<u8>, F
         )));
     }
     Ok(body)
+}
+
+/// `s` as a JSON string literal.
+pub(crate) fn json_string(s: &str) -> String {
+    let mut out = String::with_capacity(s.len() + 2);
+    out.push('"');
+    for c in s.chars() {
+        match c {
+            '"' => out.push_str("\\\""),
+            '\\' => out.push_str("\\\\"),
+            '\n' => out.push_str("\\n"),
+            '\r' => out.push_str("\\r"),
+            '\t' => out.push_str("\\t"),
+            c if (c as u32) < 0x20 => {
+                out.push_str(&format!("\\u{:04x}", c as u32));
+            }
+            c => out.push(c),
+        }
+    }
+    out.push('"');
+    out
 }
 
 #[cfg(test)]

@@ -160,8 +160,8 @@ pub fn job(
 /// `bench-collectives --hosts N`: the all-reduce benchmark on a cluster of namespaces, over the
 /// flat TCP ring and the hierarchical all-reduce, in f32 and in bf16 (standing for f32
 /// gradients sent compressed), with algbw as a fraction of the link rate.
-pub fn bench_across_hosts(task: &crate::bench::BenchCollectives) -> Result<()> {
-    use crate::bench::{human, read_report};
+pub fn bench_across_hosts(task: &crate::bench_collectives::BenchCollectives) -> Result<()> {
+    use crate::bench_collectives::{human, read_report};
     let (hosts, per_host, debug) = (task.hosts.unwrap_or(1), task.nproc_per_host, task.debug);
     let rate = task.link_rate.as_deref();
     let launcher = build_cpu_program("burn-ddp-run", !debug)?;

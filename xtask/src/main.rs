@@ -29,7 +29,8 @@
 //! selection `cargo test --workspace` makes, so they share its build of burn); the benchmarks
 //! build in the release profile unless given `--debug`.
 
-mod bench;
+mod bench_collectives;
+mod bench_train;
 mod build;
 mod bundle;
 mod cluster;
@@ -55,10 +56,10 @@ enum Task {
     /// One rank per visible GPU (CUDA_VISIBLE_DEVICES respected), examples built with CUDA
     MultiGpu(ranks::MultiGpu),
     /// The all-reduce benchmark on N rank processes (release build)
-    BenchCollectives(bench::BenchCollectives),
+    BenchCollectives(bench_collectives::BenchCollectives),
     /// DdpLearner's overhead at world 1 and scaling to world 2, on the quickstart; with --hosts,
     /// across hosts on a slow link (release build)
-    BenchTrain(bench::BenchTrain),
+    BenchTrain(bench_train::BenchTrain),
     /// Stripped release binaries and run.sh: the one-command check for a bare GPU machine
     GpuBundle(bundle::GpuBundle),
     /// The long soak test: random all-reduces on 4 ranks, checked; resident memory reported
@@ -93,8 +94,8 @@ fn main() -> Result<()> {
     match Cli::parse().task {
         Task::MultiCpu(t) => ranks::multi_cpu(t),
         Task::MultiGpu(t) => ranks::multi_gpu(t),
-        Task::BenchCollectives(t) => bench::bench_collectives(t),
-        Task::BenchTrain(t) => bench::bench_train(t),
+        Task::BenchCollectives(t) => bench_collectives::bench_collectives(t),
+        Task::BenchTrain(t) => bench_train::bench_train(t),
         Task::GpuBundle(t) => bundle::gpu_bundle(t),
         Task::Soak(t) => soak(t),
         Task::Cluster(t) => cluster::cluster(t),

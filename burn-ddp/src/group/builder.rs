@@ -183,13 +183,64 @@ impl ProcessGroupBuilder {
 
     /// Forms the group: blocks until every rank has joined or the rendezvous timeout passes.
     pub fn build(self) -> Result<ProcessGroup> {
-        let ProcessGroupBuilder {
+        let (rank, world_size) = (self.rank, self.world_size);
+        let (local_rank, local_world_size) = self.check()?;
+        let deadline = Instant::now() + self.options.rendezvous_timeout;
+        let (server, store_addr) = self.serve_store()?;
+        let kind = if server.is_some() {
+            &StoreKind::BurnDdp
+        } else {
+            &self.store_kind
+        };
+        let timeout = self.options.rendezvous_timeout;
+        let store = Store::connect_kind(kind, &store_addr, timeout, self.secret.as_ref())?;
+        let secret = store.secret_for_group(self.secret.clone())?;
+        let (store, secret) = (Arc::new(store), secret.as_ref());
+        let streams = if world_size > 1 {
+            let ifname = self.socket_ifname.as_deref();
+            mesh::connect(rank, world_size, &store, secret, ifname, deadline)?
+        } else {
+            vec![None]
+        };
+        let status = StatusBoard::start(rank, world_size, store.clone());
+        let transport = self.host_transport(streams, &store, deadline)?;
+        let in_use = if transport.uses_shm() {
+            Transport::Shm
+        } else {
+            Transport::Tcp
+        };
+        let limits = Limits {
+            timeout: self.options.timeout,
+            max_gather_bytes: self.options.max_gather_bytes,
+        };
+        let backends = Backends::start(
             rank,
             world_size,
-            master_port,
-            options,
-            ..
-        } = self;
+            transport,
+            store.clone(),
+            status.cell(),
+            limits,
+        )?;
+        log::info!("rank {rank}: joined a group of {world_size} through the store at {store_addr}");
+        Ok(ProcessGroup {
+            rank,
+            world_size,
+            local_rank,
+            local_world_size,
+            backends,
+            store,
+            status,
+            options: self.options,
+            all_reduces: AtomicU64::new(0),
+            transport: in_use,
+            attachments: Default::default(),
+            _server: server,
+        })
+    }
+
+    /// Checks the ranks and options; the local rank and local world size.
+    fn check(&self) -> Result<(usize, usize)> {
+        let (rank, world_size, options) = (self.rank, self.world_size, &self.options);
         if world_size == 0 || rank >= world_size {
             return Err(DdpError::InvalidConfig(format!(
                 "rank {rank} is not in a world of size {world_size}"
@@ -209,76 +260,75 @@ impl ProcessGroupBuilder {
                     .into(),
             ));
         }
+        Ok((local_rank, local_world_size))
+    }
+
+    /// The store this rank serves, if it hosts it, and the address every rank connects to. A
+    /// world of one needs no master: it serves itself on an ephemeral loopback port.
+    fn serve_store(&self) -> Result<(Option<StoreServer>, String)> {
+        let (rank, world_size, master_port) = (self.rank, self.world_size, self.master_port);
         let c10d = matches!(self.store_kind, StoreKind::C10d { .. });
         let host_store = self.host_store.unwrap_or(rank == 0 && !c10d);
-        let deadline = Instant::now() + options.rendezvous_timeout;
-
-        // A world of one needs no master: it serves itself on an ephemeral loopback port.
-        let (server, store_addr) = match (&self.master_addr, world_size) {
+        match (&self.master_addr, world_size) {
             (None, 1) => {
                 let server = StoreServer::bind_with_secret("127.0.0.1:0", self.secret.clone())?;
                 let addr = server.local_addr().to_string();
-                (Some(server), addr)
+                Ok((Some(server), addr))
             }
-            (None, _) => {
-                return Err(DdpError::InvalidConfig(format!(
-                    "a world of size {world_size} needs master_addr (MASTER_ADDR)"
-                )));
-            }
+            (None, _) => Err(DdpError::InvalidConfig(format!(
+                "a world of size {world_size} needs master_addr (MASTER_ADDR)"
+            ))),
             (Some(host), _) => {
                 let addr = host_port(host, master_port);
-                let server = if host_store {
-                    let (var, bind_host) = match &self.store_bind {
-                        Some(b) => (crate::env::STORE_BIND_VAR, b),
-                        None => ("MASTER_ADDR", host),
-                    };
-                    let resolved = host_port(bind_host, master_port)
-                        .to_socket_addrs()
-                        .map_err(|e| DdpError::InvalidEnv {
-                            var,
-                            value: bind_host.clone(),
-                            expected: format!("a host name or address that resolves ({e})"),
-                        })?;
-                    let candidates: Vec<_> = resolved.collect();
-                    let server =
-                        StoreServer::bind_with_secret(&candidates[..], self.secret.clone());
-                    Some(server.map_err(|e| match e {
-                        DdpError::Bind {
-                            addr,
-                            what,
-                            source,
-                            hint,
-                        } => DdpError::Bind {
-                            addr,
-                            what,
-                            source,
-                            hint: format!("{hint} (set by MASTER_ADDR/MASTER_PORT)"),
-                        },
-                        other => other,
-                    })?)
-                } else {
-                    None
+                let server = match host_store {
+                    true => Some(self.bind_store(host)?),
+                    false => None,
                 };
-                (server, addr)
+                Ok((server, addr))
             }
-        };
+        }
+    }
 
-        let kind = if server.is_some() {
-            &StoreKind::BurnDdp
-        } else {
-            &self.store_kind
+    /// Serves the store on `master_host` (or `BURN_DDP_STORE_BIND`'s host) and the master port.
+    fn bind_store(&self, master_host: &String) -> Result<StoreServer> {
+        let (var, bind_host) = match &self.store_bind {
+            Some(b) => (crate::env::STORE_BIND_VAR, b),
+            None => ("MASTER_ADDR", master_host),
         };
-        let timeout = options.rendezvous_timeout;
-        let store = Store::connect_kind(kind, &store_addr, timeout, self.secret.as_ref())?;
-        let secret = store.secret_for_group(self.secret)?;
-        let (store, secret) = (Arc::new(store), secret.as_ref());
-        let streams = if world_size > 1 {
-            let ifname = self.socket_ifname.as_deref();
-            mesh::connect(rank, world_size, &store, secret, ifname, deadline)?
-        } else {
-            vec![None]
-        };
-        let status = StatusBoard::start(rank, world_size, store.clone());
+        let resolved = host_port(bind_host, self.master_port)
+            .to_socket_addrs()
+            .map_err(|e| DdpError::InvalidEnv {
+                var,
+                value: bind_host.clone(),
+                expected: format!("a host name or address that resolves ({e})"),
+            })?;
+        let candidates: Vec<_> = resolved.collect();
+        let server = StoreServer::bind_with_secret(&candidates[..], self.secret.clone());
+        server.map_err(|e| match e {
+            DdpError::Bind {
+                addr,
+                what,
+                source,
+                hint,
+            } => DdpError::Bind {
+                addr,
+                what,
+                source,
+                hint: format!("{hint} (set by MASTER_ADDR/MASTER_PORT)"),
+            },
+            other => other,
+        })
+    }
+
+    /// The host transport over the connected `streams`, on shared memory where the ranks
+    /// agree it serves them.
+    fn host_transport(
+        &self,
+        streams: Vec<Option<std::net::TcpStream>>,
+        store: &Store,
+        deadline: Instant,
+    ) -> Result<HostTransport> {
+        let (rank, world_size, options) = (self.rank, self.world_size, &self.options);
         let mut transport = HostTransport::new(
             rank,
             world_size,
@@ -295,49 +345,17 @@ impl ProcessGroupBuilder {
                 rank,
                 world: world_size,
                 mode: options.transport,
-                port: master_port,
+                port: self.master_port,
                 slot_bytes: options.shm_slot_bytes,
                 timeout: options.timeout,
                 spin: options.spin,
                 host: options.host_id.clone(),
             };
-            if let Some(setup) = negotiate(&request, &store, deadline)? {
+            if let Some(setup) = negotiate(&request, store, deadline)? {
                 transport.use_shm(setup);
             }
         }
-        let in_use = if transport.uses_shm() {
-            Transport::Shm
-        } else {
-            Transport::Tcp
-        };
-        let limits = Limits {
-            timeout: options.timeout,
-            max_gather_bytes: options.max_gather_bytes,
-        };
-        let backends = Backends::start(
-            rank,
-            world_size,
-            transport,
-            store.clone(),
-            status.cell(),
-            limits,
-        )?;
-        log::info!("rank {rank}: joined a group of {world_size} through the store at {store_addr}");
-        Ok(ProcessGroup {
-            rank,
-            world_size,
-            local_rank,
-            local_world_size,
-            store,
-            status,
-            options,
-            backends,
-            all_reduces: AtomicU64::new(0),
-            transport: in_use,
-            #[cfg(feature = "train")]
-            samplers: Default::default(),
-            _server: server,
-        })
+        Ok(transport)
     }
 }
 

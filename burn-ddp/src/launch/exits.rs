@@ -20,6 +20,9 @@ pub(super) fn describe(status: ExitStatus) -> String {
     }
 }
 
+/// A waiter thread's report: the local rank and how it ended.
+pub(super) type Exit = (usize, std::io::Result<ExitStatus>);
+
 /// The ranks' exits as the waiter threads report them.
 pub(super) struct Exits {
     pub running: Vec<bool>,
@@ -30,8 +33,17 @@ pub(super) struct Exits {
 }
 
 impl Exits {
+    /// `n` ranks, all running.
+    pub(super) fn new(n: usize) -> Self {
+        Exits {
+            running: vec![true; n],
+            failures: vec![None; n],
+            statuses: vec![None; n],
+        }
+    }
+
     /// Notes rank `i`'s exit; true if it failed.
-    pub(super) fn record(&mut self, (i, status): (usize, std::io::Result<ExitStatus>)) -> bool {
+    pub(super) fn record(&mut self, (i, status): Exit) -> bool {
         self.running[i] = false;
         self.statuses[i] = status.as_ref().ok().copied();
         self.failures[i] = match status {

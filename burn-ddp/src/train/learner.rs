@@ -33,9 +33,10 @@ use super::params::{broadcast_module, check_agreement, layout};
 use super::progress::ProgressOutput;
 use super::quiet::QuietRenderer;
 use super::reducer::GradientReducer;
-use super::sampler::DistributedSampler;
+use super::sampler::{DistributedSampler, SamplerRegistry};
 use super::settings::SharedSettings;
 use super::strategy::{DdpStrategy, Feeding, Samplers};
+use super::telemetry::Telemetry;
 use super::telemetry::trace::Trace;
 use crate::error::{DdpError, Result};
 use crate::status::Phase;
@@ -54,6 +55,7 @@ pub struct DdpLearner<M: LearnerModel> {
     checkpoints: Option<CheckpointConfig>,
     progress: ProgressOutput,
     profile: Option<PathBuf>,
+    telemetry: Telemetry,
 }
 
 impl<M: LearnerModel> DdpLearner<M> {
@@ -86,12 +88,19 @@ impl<M: LearnerModel> DdpLearner<M> {
             checkpoints: None,
             progress: ProgressOutput::default(),
             profile: None,
+            telemetry: Telemetry::default(),
         }
     }
 
     /// The process group.
     pub fn group(&self) -> &Arc<ProcessGroup> {
         &self.group
+    }
+
+    /// This learner's [`Telemetry`]: the metrics that show where each training step's time
+    /// goes (add them to burn-train's `SupervisedTraining` before launching).
+    pub fn telemetry(&self) -> &Telemetry {
+        &self.telemetry
     }
 
     /// The training loader's [`DistributedSampler`], for PyTorch's exact semantics (a global
@@ -232,7 +241,7 @@ impl<M: LearnerModel> DdpLearner<M> {
             (reducer, buffers),
             feeding,
             self.checkpoints,
-            trace,
+            (self.telemetry, trace),
         )?;
         Ok((Learner::new(model, self.optim, self.lr), strategy))
     }
@@ -246,7 +255,7 @@ impl<M: LearnerModel> DdpLearner<M> {
             usize::from(for_split(&self.samplers.train))
                 + usize::from(for_split(&self.samplers.valid))
         };
-        let in_use = self.group.samplers().in_use();
+        let in_use = self.group.attachment::<SamplerRegistry>().in_use();
         if let Some((sampler, datasets)) = in_use.iter().find(|(s, n)| *n > registered(s)) {
             let splits = match registered(sampler) {
                 0 => "is not registered with the DdpLearner",

@@ -29,6 +29,5 @@ pub use params::{ParamInfo, broadcast_module, check_agreement, flat_parameters, 
 pub use progress::{LineRenderer, ProgressOutput};
 pub use quiet::QuietRenderer;
 pub use reducer::GradientReducer;
-pub(crate) use sampler::SamplerRegistry;
 pub use sampler::{DistributedDataset, DistributedSampler};
-pub use telemetry::{DdpMetric, JobStats, StepInput, StepStats};
+pub use telemetry::{DdpMetric, JobStats, StepInput, StepStats, Telemetry};

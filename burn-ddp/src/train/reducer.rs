@@ -34,7 +34,7 @@ use burn::optim::GradientsParams;
 use burn::tensor::{Device, Tensor, TensorData};
 
 use super::bucket::{BucketConfig, BucketPlan};
-use super::compression::Compression;
+use super::compression::{Compressed, Compression};
 use super::fingerprint::{FINGERPRINT_LEN, Fingerprint};
 use super::params::{ParamInfo, layout};
 use super::telemetry::StepStats;
@@ -235,25 +235,7 @@ impl GradientReducer {
             pending.push((work, sent));
         }
         let tails = compressed.then(|| self.group.all_reduce(tails, ReduceOp::Sum));
-        let status = self.group.status();
-        let mut summed = Vec::with_capacity(n);
-        for (b, (work, sent)) in pending.into_iter().enumerate() {
-            status.activity(Some(format!("waits for bucket {} of {n}", b + 1)));
-            let waiting = Instant::now();
-            let done = work.wait();
-            let received = Instant::now();
-            status.activity(None);
-            stats.exposed += (received - waiting).as_secs_f64();
-            if let Some(trace) = trace {
-                trace.span(
-                    Span::bucket("all-reduce bucket", b),
-                    COMMUNICATION,
-                    sent,
-                    received,
-                );
-            }
-            summed.push(done?);
-        }
+        let summed = self.wait_buckets(pending, trace, &mut stats)?;
         let unpacking = Instant::now();
         let (averaged, tails) = match tails {
             Some(work) => (summed, work.wait()?),
@@ -270,6 +252,33 @@ impl GradientReducer {
         stats.communication = first_sent.map_or(0.0, |t| (unpacking - t).as_secs_f64());
         stats.bytes = self.bytes_per_step() as f64;
         Ok((grads, stats))
+    }
+
+    /// Waits for the buckets in order, publishing which one this rank waits for; adds the
+    /// time waited to `stats.exposed` and each bucket's travel to `trace`.
+    fn wait_buckets(
+        &self,
+        pending: Vec<(Compressed, Instant)>,
+        trace: Option<&Trace>,
+        stats: &mut StepStats,
+    ) -> Result<Vec<Tensor<1>>> {
+        let status = self.group.status();
+        let n = pending.len();
+        let mut summed = Vec::with_capacity(n);
+        for (b, (work, sent)) in pending.into_iter().enumerate() {
+            status.activity(Some(format!("waits for bucket {} of {n}", b + 1)));
+            let waiting = Instant::now();
+            let done = work.wait();
+            let received = Instant::now();
+            status.activity(None);
+            stats.exposed += (received - waiting).as_secs_f64();
+            if let Some(trace) = trace {
+                let span = Span::bucket("all-reduce bucket", b);
+                trace.span(span, COMMUNICATION, sent, received);
+            }
+            summed.push(done?);
+        }
+        Ok(summed)
     }
 
     fn fingerprint(&self, b: usize, (epoch, step): (usize, usize)) -> Fingerprint {

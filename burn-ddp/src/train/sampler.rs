@@ -71,7 +71,8 @@ impl AccessLog {
     }
 }
 
-/// The samplers made for one process group ([`DistributedSampler::for_group`]).
+/// The samplers made for one process group ([`DistributedSampler::for_group`]), attached to
+/// the group ([`crate::ProcessGroup::attachment`]).
 #[derive(Debug, Default)]
 pub(crate) struct SamplerRegistry(Mutex<Vec<DistributedSampler>>);
 
@@ -126,7 +127,7 @@ impl DistributedSampler {
     /// would shard such a loader a second time.
     pub fn for_group(group: &crate::ProcessGroup) -> Self {
         let sampler = Self::new(group.rank(), group.world_size());
-        group.samplers().add(&sampler);
+        group.attachment::<SamplerRegistry>().add(&sampler);
         sampler
     }
 

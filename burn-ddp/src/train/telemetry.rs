@@ -108,32 +108,95 @@ impl JobStats {
     }
 }
 
-/// The figures of the last steps rank 0 handed to burn-train, by iteration: burn-train's metrics
-/// run on its own worker thread, a few items behind, and find a step's figures by the
-/// iteration their metadata carries.
-static RECENT: Mutex<VecDeque<(usize, JobStats)>> = Mutex::new(VecDeque::new());
-
-/// Steps kept in [`RECENT`] (more than burn-train's worker falls behind).
-const KEEP: usize = 256;
-
-/// Records the figures of `iteration`'s step, before its item goes to burn-train.
-pub(crate) fn record(iteration: usize, stats: JobStats) {
-    let mut recent = crate::sync::lock(&RECENT);
-    if recent.len() == KEEP {
-        recent.pop_front();
-    }
-    recent.push_back((iteration, stats));
+/// A learner's figures of its last steps, by iteration, and the metrics that show them
+/// ([`DdpMetric`]). burn-train's metrics run on its own worker thread, a few items behind, and
+/// find a step's figures by the iteration their metadata carries. Each `DdpLearner` has its own
+/// ([`DdpLearner::telemetry`](crate::train::DdpLearner::telemetry)), so learners that train at
+/// once in one process never read each other's figures.
+///
+/// ```
+/// # use burn::train::{LearnerModel, SupervisedTraining, TrainStep};
+/// # use burn::train::metric::Adaptor;
+/// use burn_ddp::train::{DdpLearner, StepInput};
+/// # fn configure<M>(training: SupervisedTraining<M>, learner: &DdpLearner<M>) -> SupervisedTraining<M>
+/// # where M: LearnerModel, <M as TrainStep>::Output: Adaptor<StepInput> {
+/// let figures = learner.telemetry();
+/// let training = training
+///     .metric_train_numeric(figures.communication())
+///     .metric_train_numeric(figures.exposed_communication())
+///     .metric_train_numeric(figures.busbw())
+///     .metric_train_numeric(figures.straggler_lag());
+/// # training }
+/// ```
+#[derive(Clone, Default)]
+pub struct Telemetry {
+    recent: Arc<Mutex<VecDeque<(usize, JobStats)>>>,
 }
 
-/// The figures recorded last for `iteration`.
-fn lookup(iteration: Option<usize>) -> Option<JobStats> {
-    let recent = crate::sync::lock(&RECENT);
-    let iteration = iteration?;
-    recent
-        .iter()
-        .rev()
-        .find(|(i, _)| *i == iteration)
-        .map(|(_, s)| *s)
+impl std::fmt::Debug for Telemetry {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let steps = crate::sync::lock(&self.recent).len();
+        f.debug_struct("Telemetry").field("steps", &steps).finish()
+    }
+}
+
+/// Steps a [`Telemetry`] keeps (more than burn-train's worker falls behind).
+const KEEP: usize = 256;
+
+impl Telemetry {
+    /// Records the figures of `iteration`'s step, before its item goes to burn-train.
+    pub(crate) fn record(&self, iteration: usize, stats: JobStats) {
+        let mut recent = crate::sync::lock(&self.recent);
+        if recent.len() == KEEP {
+            recent.pop_front();
+        }
+        recent.push_back((iteration, stats));
+    }
+
+    /// The figures recorded last for `iteration`.
+    fn lookup(&self, iteration: Option<usize>) -> Option<JobStats> {
+        let iteration = iteration?;
+        let recent = crate::sync::lock(&self.recent);
+        (recent.iter().rev())
+            .find(|(i, _)| *i == iteration)
+            .map(|(_, s)| *s)
+    }
+
+    fn metric(&self, figure: Figure, name: &str) -> DdpMetric {
+        DdpMetric {
+            figure,
+            name: Arc::new(name.to_string()),
+            state: NumericMetricState::default(),
+            slowest: 0,
+            telemetry: self.clone(),
+        }
+    }
+
+    /// Milliseconds of rank 0's forward and backward pass.
+    pub fn compute(&self) -> DdpMetric {
+        self.metric(Figure::Compute, "Compute ms")
+    }
+
+    /// Milliseconds of rank 0's gradient communication (first bucket sent to last received).
+    pub fn communication(&self) -> DdpMetric {
+        self.metric(Figure::Communication, "Comm ms")
+    }
+
+    /// Milliseconds rank 0's step waited for communication (not hidden behind other work).
+    pub fn exposed_communication(&self) -> DdpMetric {
+        self.metric(Figure::Exposed, "Exposed comm ms")
+    }
+
+    /// Achieved bus bandwidth of the gradient all-reduces, GB/s.
+    pub fn busbw(&self) -> DdpMetric {
+        self.metric(Figure::Busbw, "Busbw GBps")
+    }
+
+    /// Milliseconds the slowest rank's forward and backward pass took beyond the fastest's
+    /// (the display names the slowest rank).
+    pub fn straggler_lag(&self) -> DdpMetric {
+        self.metric(Figure::Lag, "Straggler lag ms")
+    }
 }
 
 /// What a [`DdpMetric`] reads: nothing from the item itself (the figures come from the training
@@ -164,21 +227,8 @@ enum Figure {
     Lag,
 }
 
-/// A data-parallel figure of each training step as a burn-train metric (rank 0 shows it):
-///
-/// ```
-/// # use burn::train::{LearnerModel, SupervisedTraining, TrainStep};
-/// # use burn::train::metric::Adaptor;
-/// use burn_ddp::train::{DdpMetric, StepInput};
-/// # fn configure<M>(training: SupervisedTraining<M>) -> SupervisedTraining<M>
-/// # where M: LearnerModel, <M as TrainStep>::Output: Adaptor<StepInput> {
-/// let training = training
-///     .metric_train_numeric(DdpMetric::communication())
-///     .metric_train_numeric(DdpMetric::exposed_communication())
-///     .metric_train_numeric(DdpMetric::busbw())
-///     .metric_train_numeric(DdpMetric::straggler_lag());
-/// # training }
-/// ```
+/// A data-parallel figure of each training step as a burn-train metric (rank 0 shows it), made
+/// by a learner's [`Telemetry`].
 #[derive(Clone)]
 pub struct DdpMetric {
     figure: Figure,
@@ -186,44 +236,11 @@ pub struct DdpMetric {
     state: NumericMetricState,
     /// The slowest rank of the last step (for the display).
     slowest: usize,
+    /// Where the learner records its steps' figures.
+    telemetry: Telemetry,
 }
 
 impl DdpMetric {
-    fn new(figure: Figure, name: &str) -> Self {
-        DdpMetric {
-            figure,
-            name: Arc::new(name.to_string()),
-            state: NumericMetricState::default(),
-            slowest: 0,
-        }
-    }
-
-    /// Milliseconds of rank 0's forward and backward pass.
-    pub fn compute() -> Self {
-        Self::new(Figure::Compute, "Compute ms")
-    }
-
-    /// Milliseconds of rank 0's gradient communication (first bucket sent to last received).
-    pub fn communication() -> Self {
-        Self::new(Figure::Communication, "Comm ms")
-    }
-
-    /// Milliseconds rank 0's step waited for communication (not hidden behind other work).
-    pub fn exposed_communication() -> Self {
-        Self::new(Figure::Exposed, "Exposed comm ms")
-    }
-
-    /// Achieved bus bandwidth of the gradient all-reduces, GB/s.
-    pub fn busbw() -> Self {
-        Self::new(Figure::Busbw, "Busbw GBps")
-    }
-
-    /// Milliseconds the slowest rank's forward and backward pass took beyond the fastest's
-    /// (the display names the slowest rank).
-    pub fn straggler_lag() -> Self {
-        Self::new(Figure::Lag, "Straggler lag ms")
-    }
-
     fn value(&self, s: &JobStats) -> f64 {
         match self.figure {
             Figure::Compute => s.rank0.compute * 1e3,
@@ -252,7 +269,7 @@ impl Metric for DdpMetric {
         metadata: &MetricMetadata,
     ) -> Result<SerializedEntry, TensorReadError> {
         // A step inside a gradient accumulation has no figures.
-        if let Some(stats) = lookup(metadata.iteration) {
+        if let Some(stats) = self.telemetry.lookup(metadata.iteration) {
             self.slowest = stats.slowest;
             self.state.update(self.value(&stats), 1);
         }
@@ -319,5 +336,33 @@ mod tests {
         // 4 MB in 4 ms on 4 ranks: 1 GB/s algorithm bandwidth, 1.5 GB/s bus bandwidth.
         assert!((job.busbw - 1.5e9).abs() < 1.0, "{}", job.busbw);
         assert_eq!(JobStats::combine(&[None, Some(a)]), None);
+    }
+
+    #[test]
+    fn each_learner_reads_its_own_figures() {
+        let stats = |slowest| JobStats {
+            rank0: StepStats::default(),
+            busbw: 0.0,
+            slowest,
+            lag: 0.0,
+        };
+        let (one, two) = (Telemetry::default(), Telemetry::default());
+        one.record(7, stats(1));
+        two.record(7, stats(2));
+        two.record(8, stats(3));
+        assert_eq!(one.lookup(Some(7)).map(|s| s.slowest), Some(1));
+        assert_eq!(two.lookup(Some(7)).map(|s| s.slowest), Some(2));
+        assert_eq!(one.lookup(Some(8)), None);
+        // A metric reads the telemetry that made it, clones included.
+        let metric = two.straggler_lag().clone();
+        assert_eq!(metric.telemetry.lookup(Some(8)).map(|s| s.slowest), Some(3));
+        for i in 0..KEEP {
+            one.record(100 + i, stats(4));
+        }
+        assert_eq!(
+            one.lookup(Some(7)),
+            None,
+            "only the last {KEEP} steps are kept"
+        );
     }
 }

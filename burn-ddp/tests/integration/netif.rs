@@ -42,7 +42,7 @@ fn advertised_with(ifname: &str) -> String {
     });
     assert_eq!(sums, vec![vec![3.0f32; 8]; 2]);
     let store = Store::connect(&format!("127.0.0.1:{port}"), Duration::from_secs(5)).unwrap();
-    String::from_utf8(store.get("bddp/mesh/addr/0").unwrap()).unwrap()
+    String::from_utf8(store.get(&burn_ddp::testing::mesh_addr_key(0)).unwrap()).unwrap()
 }
 
 #[test]

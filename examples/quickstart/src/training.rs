@@ -4,20 +4,20 @@
 use std::sync::Arc;
 
 use anyhow::{Context, Result, bail};
-use burn::data::dataloader::DataLoaderBuilder;
+use burn::data::dataloader::{DataLoader, DataLoaderBuilder};
 use burn::module::Module;
 use burn::optim::SgdConfig;
 use burn::tensor::Device;
 use burn::train::metric::{AccuracyMetric, LossMetric};
-use burn::train::{Learner, SupervisedTraining};
+use burn::train::{Learner, LearningResult, SupervisedTraining};
 use burn_ddp::ProcessGroup;
 use burn_ddp::train::{
-    CheckpointConfig, DdpLearner, DdpMetric, DdpTraining, DistributedSampler, GradientReducer,
-    ProgressOutput, QuietRenderer,
+    CheckpointConfig, DdpLearner, DdpTraining, DistributedSampler, GradientReducer, ProgressOutput,
+    QuietRenderer,
 };
 
 use crate::config::{Config, ModelKind};
-use crate::data::{CLASSES, DIGIT_PIXELS, Data, Digits, FEATURES, MyBatcher, MyDataset};
+use crate::data::{CLASSES, DIGIT_PIXELS, Data, Digits, FEATURES, MyBatch, MyBatcher, MyDataset};
 use crate::model::{LARGE_SHAPE, MyModel, accuracy};
 
 /// What a run measured.
@@ -120,7 +120,47 @@ fn cuda_device(local_rank: usize) -> Result<Device> {
 /// Trains in `group` (a world of one or many ranks) on the configured data.
 pub fn run(group: Arc<ProcessGroup>, cfg: &Config) -> Result<Report> {
     let device = device(&cfg.device, group.local_rank())?;
-    let (train_data, valid_data, features, classes) = match &cfg.digits {
+    let (train_data, valid_data, features, classes) = load_data(cfg)?;
+    device.seed(cfg.seed);
+    // Parameters are initialised lazily; materialise them while the seed still decides.
+    let model = MyModel::init(&device, cfg.model, features, classes).materialize();
+
+    let loaders = Loaders::new(&group, cfg, train_data, valid_data.clone());
+    let steps = cfg.epochs * loaders.train.num_items().div_ceil(cfg.batch_size);
+    let (training, progress) = supervised_training(cfg, loaders.train, loaders.valid);
+    let bytes_per_step = planned_bytes_per_step(&group, cfg, &model, &device)?;
+    let start = std::time::Instant::now();
+    let result = if cfg.plain {
+        if group.world_size() != 1 {
+            bail!("--plain trains with burn's own Learner, on one process only");
+        }
+        training.launch(Learner::new(model, SgdConfig::new().init(), cfg.lr))
+    } else {
+        let learner = ddp_learner(group.clone(), cfg, model, &loaders.samplers, progress);
+        train_ddp(training, learner, cfg)?
+    };
+    let train_seconds = start.elapsed().as_secs_f64();
+    if let Some(e) = &result.error {
+        bail!("training failed: {e}");
+    }
+    let model = result.model;
+    if group.rank() == 0 {
+        save_model(&model, cfg)?;
+    }
+    Ok(Report {
+        valid_accuracy: accuracy(&model, &device.clone().inner(), &valid_data)?,
+        params: burn_ddp::train::flat_parameters(&model),
+        train_seconds,
+        steps,
+        samples: steps * cfg.batch_size * group.world_size(),
+        bytes_per_step,
+    })
+}
+
+/// The training and validation splits of the configured data (synthetic, or the digits at
+/// `--digits`), with the model's input features and classes.
+fn load_data(cfg: &Config) -> Result<(Data, Data, usize, usize)> {
+    Ok(match &cfg.digits {
         None => {
             let (features, classes) = match cfg.model {
                 ModelKind::MlpLarge => LARGE_SHAPE,
@@ -137,24 +177,55 @@ pub fn run(group: Arc<ProcessGroup>, cfg: &Config) -> Result<Report> {
             let (train, valid) = Digits::load(path)?.split();
             (train, valid, DIGIT_PIXELS, 10)
         }
-    };
-    device.seed(cfg.seed);
-    // Parameters are initialised lazily; materialise them while the seed still decides.
-    let model = MyModel::init(&device, cfg.model, features, classes).materialize();
+    })
+}
 
-    let sampler = DistributedSampler::for_group(&group).seed(cfg.seed);
-    // Validation counts every sample once, whatever the world size: no padding.
-    let valid_sampler = DistributedSampler::for_group(&group)
-        .shuffle(false)
-        .pad(false);
-    let train = DataLoaderBuilder::new(MyBatcher)
-        .batch_size(cfg.batch_size)
-        .build(sampler.dataset(train_data));
-    let valid = DataLoaderBuilder::new(MyBatcher)
-        .batch_size(cfg.batch_size)
-        .build(valid_sampler.dataset(valid_data.clone()));
+/// The training and validation samplers of this rank.
+struct Samplers {
+    train: DistributedSampler,
+    valid: DistributedSampler,
+}
 
-    let steps = cfg.epochs * train.num_items().div_ceil(cfg.batch_size);
+/// This rank's loaders of both splits, and the samplers that shard them.
+struct Loaders {
+    samplers: Samplers,
+    train: Arc<dyn DataLoader<MyBatch>>,
+    valid: Arc<dyn DataLoader<MyBatch>>,
+}
+
+impl Loaders {
+    /// Samples each split for this rank of `group` (training shuffled by the seed, validation
+    /// in order and unpadded) and batches it.
+    fn new(group: &ProcessGroup, cfg: &Config, train_data: Data, valid_data: Data) -> Self {
+        let sampler = DistributedSampler::for_group(group).seed(cfg.seed);
+        // Validation counts every sample once, whatever the world size: no padding.
+        let valid_sampler = DistributedSampler::for_group(group)
+            .shuffle(false)
+            .pad(false);
+        let train = DataLoaderBuilder::new(MyBatcher)
+            .batch_size(cfg.batch_size)
+            .build(sampler.dataset(train_data));
+        let valid = DataLoaderBuilder::new(MyBatcher)
+            .batch_size(cfg.batch_size)
+            .build(valid_sampler.dataset(valid_data));
+        Loaders {
+            samplers: Samplers {
+                train: sampler,
+                valid: valid_sampler,
+            },
+            train,
+            valid,
+        }
+    }
+}
+
+/// burn's training loop with the loss and accuracy metrics and rank 0's renderer, and how
+/// DdpLearner is to show progress.
+fn supervised_training(
+    cfg: &Config,
+    train: Arc<dyn DataLoader<MyBatch>>,
+    valid: Arc<dyn DataLoader<MyBatch>>,
+) -> (SupervisedTraining<MyModel>, ProgressOutput) {
     let mut training = SupervisedTraining::new(&cfg.artifacts, train, valid)
         .metric_train_numeric(LossMetric::new())
         .metric_valid_numeric(LossMetric::new())
@@ -174,78 +245,89 @@ pub fn run(group: Arc<ProcessGroup>, cfg: &Config) -> Result<Report> {
     {
         training = training.renderer(renderer);
     }
-    // What the learner's reducer will send per step (planning only, nothing is sent here).
-    let bytes_per_step = if group.world_size() > 1 && !cfg.plain {
-        GradientReducer::new(
-            &model.clone().fork(&device),
+    (training, progress)
+}
+
+/// What the learner's reducer will send per step (planning only, nothing is sent here): 0
+/// alone or with `--plain`.
+fn planned_bytes_per_step(
+    group: &Arc<ProcessGroup>,
+    cfg: &Config,
+    model: &MyModel,
+    device: &Device,
+) -> Result<usize> {
+    if group.world_size() > 1 && !cfg.plain {
+        Ok(GradientReducer::new(
+            &model.clone().fork(device),
             group.clone(),
             Default::default(),
         )?
         .desync_check(!cfg.no_desync_check)
         .compression(cfg.compression.into())
-        .bytes_per_step()
+        .bytes_per_step())
     } else {
-        0
-    };
-    let start = std::time::Instant::now();
-    let result = if cfg.plain {
-        if group.world_size() != 1 {
-            bail!("--plain trains with burn's own Learner, on one process only");
-        }
-        training.launch(Learner::new(model, SgdConfig::new().init(), cfg.lr))
-    } else {
-        // Where each step's time goes, as metrics on rank 0.
-        let training = training
-            .metric_train_numeric(DdpMetric::communication())
-            .metric_train_numeric(DdpMetric::exposed_communication())
-            .metric_train_numeric(DdpMetric::busbw())
-            .metric_train_numeric(DdpMetric::straggler_lag());
-        let mut learner =
-            DdpLearner::with_group(group.clone(), model, SgdConfig::new().init(), cfg.lr)
-                .sampler(&sampler)
-                .valid_sampler(&valid_sampler)
-                .setting("batch_size", cfg.batch_size)
-                .setting("lr", cfg.lr)
-                .setting("seed", cfg.seed)
-                .setting("epochs", cfg.epochs)
-                .setting("data", format!("{:?}", cfg.digits))
-                .setting("model", cfg.model)
-                .desync_check(!cfg.no_desync_check)
-                .buffer_sync(cfg.buffer_sync.into())
-                .compression(cfg.compression.into())
-                .progress(progress);
-        if let Some(dir) = &cfg.profile {
-            learner = learner.profile(dir);
-        }
-        if let Some(dir) = &cfg.checkpoint_dir {
-            learner = learner.checkpoints(CheckpointConfig::new(dir).every(cfg.checkpoint_every));
-        }
-        training
-            .launch_ddp(learner)
-            .context("data-parallel training")?
-    };
-    let train_seconds = start.elapsed().as_secs_f64();
-    if let Some(e) = &result.error {
-        bail!("training failed: {e}");
+        Ok(0)
     }
-    let model = result.model;
-    if group.rank() == 0
-        && let Some(path) = &cfg.save_model
-    {
+}
+
+/// The data-parallel learner of `model`, with the run's settings and samplers.
+fn ddp_learner(
+    group: Arc<ProcessGroup>,
+    cfg: &Config,
+    model: MyModel,
+    samplers: &Samplers,
+    progress: ProgressOutput,
+) -> DdpLearner<MyModel> {
+    DdpLearner::with_group(group, model, SgdConfig::new().init(), cfg.lr)
+        .sampler(&samplers.train)
+        .valid_sampler(&samplers.valid)
+        .setting("batch_size", cfg.batch_size)
+        .setting("lr", cfg.lr)
+        .setting("seed", cfg.seed)
+        .setting("epochs", cfg.epochs)
+        .setting("data", format!("{:?}", cfg.digits))
+        .setting("model", cfg.model)
+        .desync_check(!cfg.no_desync_check)
+        .buffer_sync(cfg.buffer_sync.into())
+        .compression(cfg.compression.into())
+        .progress(progress)
+}
+
+/// Registers the learner's telemetry as metrics, adds profiling and checkpoints as
+/// configured, and trains data-parallel.
+fn train_ddp(
+    training: SupervisedTraining<MyModel>,
+    mut learner: DdpLearner<MyModel>,
+    cfg: &Config,
+) -> Result<LearningResult<MyModel>> {
+    // Where each step's time goes, as metrics on rank 0.
+    let figures = learner.telemetry();
+    let training = training
+        .metric_train_numeric(figures.communication())
+        .metric_train_numeric(figures.exposed_communication())
+        .metric_train_numeric(figures.busbw())
+        .metric_train_numeric(figures.straggler_lag());
+    if let Some(dir) = &cfg.profile {
+        learner = learner.profile(dir);
+    }
+    if let Some(dir) = &cfg.checkpoint_dir {
+        learner = learner.checkpoints(CheckpointConfig::new(dir).every(cfg.checkpoint_every));
+    }
+    training
+        .launch_ddp(learner)
+        .context("data-parallel training")
+}
+
+/// Saves the final model to `--save-model` as safetensors, if given (rank 0 calls it).
+fn save_model(model: &MyModel, cfg: &Config) -> Result<()> {
+    if let Some(path) = &cfg.save_model {
         use burn_store::{ModuleSnapshot, SafetensorsStore};
         let mut store = SafetensorsStore::from_file(path);
         model
             .save_into(&mut store)
             .with_context(|| format!("saving the model to {}", path.display()))?;
     }
-    Ok(Report {
-        valid_accuracy: accuracy(&model, &device.clone().inner(), &valid_data)?,
-        params: burn_ddp::train::flat_parameters(&model),
-        train_seconds,
-        steps,
-        samples: steps * cfg.batch_size * group.world_size(),
-        bytes_per_step,
-    })
+    Ok(())
 }
 
 #[cfg(test)]

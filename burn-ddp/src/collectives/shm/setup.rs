@@ -14,6 +14,7 @@
 use std::time::{Duration, Instant};
 
 use super::ShmChannel;
+use super::mapping::Mapping;
 use super::segment::{self, Layout};
 use crate::collectives::{TRANSPORT_VAR, Transport};
 use crate::error::{DdpError, Result};
@@ -95,25 +96,9 @@ pub(crate) fn negotiate(
     store: &Store,
     deadline: Instant,
 ) -> Result<Option<ShmSetup>> {
-    let (rank, world) = (req.rank, req.world);
+    let rank = req.rank;
     let fail = |reason: String| DdpError::Rendezvous { rank, reason };
-    let ident = req.host.clone().or_else(host_identity).unwrap_or_default();
-    store.set(
-        &keys::per_rank(keys::SHM_HOST, rank),
-        format!("{}\n{}\n{ident}", req.mode, req.slot_bytes).as_bytes(),
-    )?;
-    let records = gather(store, keys::SHM_HOST, world, deadline)?;
-    let mut asks = Vec::with_capacity(world);
-    for (r, raw) in records.iter().enumerate() {
-        let mut fields = raw.splitn(3, '\n');
-        let (mode, slot, id) = (fields.next(), fields.next(), fields.next());
-        let mode: Option<Transport> = mode.and_then(|m| m.parse().ok());
-        let slot: Option<usize> = slot.and_then(|s| s.parse().ok());
-        match (mode, slot) {
-            (Some(mode), Some(slot)) => asks.push((mode, slot, id.unwrap_or(""))),
-            _ => return Err(fail(format!("rank {r} published a bad transport {raw:?}"))),
-        }
-    }
+    let asks = publish_and_read(req, store, deadline)?;
     let wants = |m| asks.iter().position(|(a, _, _)| *a == m);
     match (wants(Transport::Tcp), wants(Transport::Shm)) {
         (Some(t), Some(s)) => {
@@ -126,7 +111,7 @@ pub(crate) fn negotiate(
         _ => {}
     }
     let forced = wants(Transport::Shm).is_some();
-    let idents: Vec<&str> = asks.iter().map(|(_, _, id)| *id).collect();
+    let idents: Vec<&str> = asks.iter().map(|(_, _, id)| id.as_str()).collect();
     let hosts = hosts_of(&idents);
     if let Some(why) = unsuitable(&hosts) {
         if forced {
@@ -139,7 +124,80 @@ pub(crate) fn negotiate(
     let local = hosts[host].iter().position(|&r| r == rank).unwrap_or(0);
     // Every host cuts buffers alike (rank 0's slot size), so pieces match across hosts.
     let layout = Layout::new(hosts[host].len(), asks[0].1);
-    let len = layout.len();
+    match map_segment(req, store, deadline, (host, local), layout.len())? {
+        Ok(map) => {
+            let across: Vec<usize> = if hosts.len() > 1 {
+                hosts.iter().map(|h| h[local]).collect()
+            } else {
+                Vec::new()
+            };
+            log::info!(
+                "rank {rank}: collectives over shared memory ({} bytes){}",
+                layout.len(),
+                if across.is_empty() {
+                    String::new()
+                } else {
+                    format!(
+                        ", all-reduce across {} hosts over TCP with ranks {across:?}",
+                        hosts.len()
+                    )
+                }
+            );
+            let timing = (req.timeout, req.spin);
+            let channel =
+                ShmChannel::new(local, hosts[host].clone(), hosts.len(), map, layout, timing);
+            Ok(Some(ShmSetup { channel, across }))
+        }
+        Err(why) => {
+            if forced {
+                return Err(fail(format!("{TRANSPORT_VAR}=shm, but {why}")));
+            }
+            log::warn!("rank {rank}: shared memory unavailable ({why}), collectives over TCP");
+            Ok(None)
+        }
+    }
+}
+
+/// Publishes this rank's ask (transport, slot size, host identity) and reads every rank's.
+fn publish_and_read(
+    req: &ShmRequest,
+    store: &Store,
+    deadline: Instant,
+) -> Result<Vec<(Transport, usize, String)>> {
+    let ident = req.host.clone().or_else(host_identity).unwrap_or_default();
+    store.set(
+        &keys::per_rank(keys::SHM_HOST, req.rank),
+        format!("{}\n{}\n{ident}", req.mode, req.slot_bytes).as_bytes(),
+    )?;
+    let records = gather(store, keys::SHM_HOST, req.world, deadline)?;
+    (records.iter().enumerate())
+        .map(|(r, raw)| {
+            let mut fields = raw.splitn(3, '\n');
+            let (mode, slot, id) = (fields.next(), fields.next(), fields.next());
+            let mode: Option<Transport> = mode.and_then(|m| m.parse().ok());
+            let slot: Option<usize> = slot.and_then(|s| s.parse().ok());
+            match (mode, slot) {
+                (Some(mode), Some(slot)) => Ok((mode, slot, id.unwrap_or("").to_string())),
+                _ => Err(DdpError::Rendezvous {
+                    rank: req.rank,
+                    reason: format!("rank {r} published a bad transport {raw:?}"),
+                }),
+            }
+        })
+        .collect()
+}
+
+/// Maps host `host`'s segment of `len` bytes: its first rank (`local` 0) creates it and
+/// publishes its name, the others open it; every rank reports, and the creator unlinks it
+/// once all have. The mapping, or why some rank of the group could not map its segment.
+fn map_segment(
+    req: &ShmRequest,
+    store: &Store,
+    deadline: Instant,
+    (host, local): (usize, usize),
+    len: usize,
+) -> Result<std::result::Result<Mapping, String>> {
+    let rank = req.rank;
     let key = keys::shm_segment(host);
     let mut created = None;
     let mapped = if local == 0 {
@@ -175,49 +233,16 @@ pub(crate) fn negotiate(
         Err(e) => e.clone(),
     };
     store.set(&keys::per_rank(keys::SHM_MAPPED, rank), report.as_bytes())?;
-    let reports = gather(store, keys::SHM_MAPPED, world, deadline);
+    let reports = gather(store, keys::SHM_MAPPED, req.world, deadline);
     // Every rank has mapped it or given up: the name goes, the mappings stay.
     if let Some(mut c) = created {
         c.unlink();
     }
     let problems: Vec<String> = reports?.into_iter().filter(|r| r != "ok").collect();
-    match (mapped, problems.first()) {
-        (Ok(map), None) => {
-            let across: Vec<usize> = if hosts.len() > 1 {
-                hosts.iter().map(|h| h[local]).collect()
-            } else {
-                Vec::new()
-            };
-            log::info!(
-                "rank {rank}: collectives over shared memory ({len} bytes){}",
-                if across.is_empty() {
-                    String::new()
-                } else {
-                    format!(
-                        ", all-reduce across {} hosts over TCP with ranks {across:?}",
-                        hosts.len()
-                    )
-                }
-            );
-            let channel = ShmChannel::new(
-                local,
-                hosts[host].clone(),
-                hosts.len(),
-                map,
-                layout,
-                (req.timeout, req.spin),
-            );
-            Ok(Some(ShmSetup { channel, across }))
-        }
-        (_, problem) => {
-            let why = problem.cloned().unwrap_or_default();
-            if forced {
-                return Err(fail(format!("{TRANSPORT_VAR}=shm, but {why}")));
-            }
-            log::warn!("rank {rank}: shared memory unavailable ({why}), collectives over TCP");
-            Ok(None)
-        }
-    }
+    Ok(match (mapped, problems.first()) {
+        (Ok(map), None) => Ok(map),
+        (_, problem) => Err(problem.cloned().unwrap_or_default()),
+    })
 }
 
 /// Waits for `prefix/<rank>` of every rank and returns the values in rank order.

@@ -11,6 +11,7 @@ use std::time::{Duration, Instant};
 use crate::error::{DdpError, Result};
 use crate::secret::handshake::{self, Side};
 use crate::secret::{Domain, JobSecret};
+use crate::status::name_ranks;
 use crate::store::Store;
 use crate::wire::{Reader, Writer};
 
@@ -86,111 +87,186 @@ pub(crate) fn connect(
     ifname: Option<&str>,
     deadline: Instant,
 ) -> Result<Vec<Option<TcpStream>>> {
-    let fail = |reason: String| DdpError::Rendezvous { rank, reason };
-    let ip = match ifname {
-        Some(name) => iface::interface_addr(name, store.local_addr().ip())?,
-        None => store.local_addr().ip(),
+    let mesh = Mesh {
+        rank,
+        world,
+        store,
+        secret,
+        deadline,
+        mine: claims(rank, world),
     };
-    claim_rank(rank, world, store)?;
-    let listener = TcpListener::bind((ip, 0)).map_err(|source| DdpError::Bind {
-        addr: format!("{ip}:0"),
-        what: "data plane",
-        hint: String::new(),
-        source,
-    })?;
-    let own = listener
-        .local_addr()
-        .map_err(|e| DdpError::io("reading the data-plane address", e))?;
-    store.set(&addr_key(rank), own.to_string().as_bytes())?;
-
-    let keys: Vec<String> = (0..world).map(addr_key).collect();
-    let remaining = deadline.saturating_duration_since(Instant::now());
-    store.wait(&keys, remaining).map_err(|e| match e {
-        DdpError::StoreTimeout { .. } => {
-            let missing: Vec<usize> = (0..world)
-                .filter(|r| store.try_get(&addr_key(*r)).ok().flatten().is_none())
-                .collect();
-            fail(format!(
-                "ranks {missing:?} did not join within {remaining:?}; did they start, with the \
-                 same MASTER_ADDR, MASTER_PORT and WORLD_SIZE={world}?"
-            ))
-        }
-        other => other,
-    })?;
-
-    let mine = claims(rank, world);
+    let listener = mesh.listen(ifname)?;
+    mesh.wait_for_addresses()?;
     let mut peers: Vec<Option<TcpStream>> = (0..world).map(|_| None).collect();
     for (peer, slot) in peers.iter_mut().enumerate().take(rank) {
-        let raw = store.get(&addr_key(peer))?;
+        *slot = Some(mesh.connect_to(peer)?);
+    }
+    mesh.accept_higher(&listener, &mut peers)?;
+    for stream in peers.iter().flatten() {
+        crate::liveness::watch(stream);
+        let sock = socket2::SockRef::from(stream);
+        stream
+            .set_nodelay(true)
+            .and_then(|_| stream.set_read_timeout(None))
+            .and_then(|_| sock.set_send_buffer_size(SOCKET_BUFFER))
+            .and_then(|_| sock.set_recv_buffer_size(SOCKET_BUFFER))
+            .map_err(|e| DdpError::io("configuring a data-plane socket", e))?;
+    }
+    Ok(peers)
+}
+
+/// One rank's part of connecting the mesh.
+struct Mesh<'a> {
+    rank: usize,
+    world: usize,
+    store: &'a Store,
+    secret: Option<&'a JobSecret>,
+    deadline: Instant,
+    /// This rank's claims (its rank and the world size).
+    mine: Vec<u8>,
+}
+
+impl Mesh<'_> {
+    fn fail(&self, reason: String) -> DdpError {
+        DdpError::Rendezvous {
+            rank: self.rank,
+            reason,
+        }
+    }
+
+    /// Claims the rank, listens on the interface's address and publishes it.
+    fn listen(&self, ifname: Option<&str>) -> Result<TcpListener> {
+        let (rank, store) = (self.rank, self.store);
+        let ip = match ifname {
+            Some(name) => iface::interface_addr(name, store.local_addr().ip())?,
+            None => store.local_addr().ip(),
+        };
+        claim_rank(rank, self.world, store)?;
+        let listener = TcpListener::bind((ip, 0)).map_err(|source| DdpError::Bind {
+            addr: format!("{ip}:0"),
+            what: "data plane",
+            hint: String::new(),
+            source,
+        })?;
+        let own = listener
+            .local_addr()
+            .map_err(|e| DdpError::io("reading the data-plane address", e))?;
+        store.set(&addr_key(rank), own.to_string().as_bytes())?;
+        Ok(listener)
+    }
+
+    /// Waits until every rank published its address, naming those that did not.
+    fn wait_for_addresses(&self) -> Result<()> {
+        let (world, store) = (self.world, self.store);
+        let keys: Vec<String> = (0..world).map(addr_key).collect();
+        let remaining = self.deadline.saturating_duration_since(Instant::now());
+        store.wait(&keys, remaining).map_err(|e| match e {
+            DdpError::StoreTimeout { .. } => {
+                let missing: Vec<usize> = (0..world)
+                    .filter(|r| store.try_get(&addr_key(*r)).ok().flatten().is_none())
+                    .collect();
+                self.fail(format!(
+                    "{} did not join within {remaining:?}; did they start, with the same \
+                     MASTER_ADDR, MASTER_PORT and WORLD_SIZE={world}?",
+                    name_ranks(&missing)
+                ))
+            }
+            other => other,
+        })
+    }
+
+    /// Connects to lower rank `peer` at its published address, through admission.
+    fn connect_to(&self, peer: usize) -> Result<TcpStream> {
+        let (rank, world) = (self.rank, self.world);
+        let raw = self.store.get(&addr_key(peer))?;
         let addr: SocketAddr = String::from_utf8_lossy(&raw)
             .parse()
-            .map_err(|_| fail(format!("rank {peer} published a bad address {raw:?}")))?;
-        let left = deadline
+            .map_err(|_| self.fail(format!("rank {peer} published a bad address {raw:?}")))?;
+        let left = (self.deadline)
             .saturating_duration_since(Instant::now())
             .max(Duration::from_millis(1));
         let stream = TcpStream::connect_timeout(&addr, left)
-            .map_err(|e| fail(format!("cannot connect to rank {peer} at {addr}: {e}")))?;
+            .map_err(|e| self.fail(format!("cannot connect to rank {peer} at {addr}: {e}")))?;
         let _ = stream.set_nodelay(true);
-        let until = deadline.min(Instant::now() + ADMISSION_TIMEOUT);
+        let until = self.deadline.min(Instant::now() + ADMISSION_TIMEOUT);
+        let side = side(&self.mine, self.secret);
         let answer =
-            handshake::initiate(&stream, &side(&mine, secret), until).map_err(|source| {
-                DdpError::Admission {
-                    connection: format!("rank {rank}: data plane of rank {peer} at {addr}"),
-                    source,
-                }
+            handshake::initiate(&stream, &side, until).map_err(|source| DdpError::Admission {
+                connection: format!("rank {rank}: data plane of rank {peer} at {addr}"),
+                source,
             })?;
         match parse_claims(&answer) {
-            Some((r, w)) if r == peer && w == world => {}
-            Some((r, w)) => {
-                return Err(fail(format!(
-                    "{addr} answered as rank {r} of {w}, expected rank {peer} of {world}"
-                )));
-            }
-            None => return Err(fail(format!("{addr} (rank {peer}) sent malformed claims"))),
+            Some((r, w)) if r == peer && w == world => Ok(stream),
+            Some((r, w)) => Err(self.fail(format!(
+                "{addr} answered as rank {r} of {w}, expected rank {peer} of {world}"
+            ))),
+            None => Err(self.fail(format!("{addr} (rank {peer}) sent malformed claims"))),
         }
-        *slot = Some(stream);
     }
 
-    listener
-        .set_nonblocking(true)
-        .map_err(|e| DdpError::io("configuring the data-plane listener", e))?;
-    let mut expected = world - 1 - rank;
-    while expected > 0 {
-        let (stream, from) = match listener.accept() {
-            Ok(s) => s,
-            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
-                if Instant::now() >= deadline {
-                    let missing: Vec<usize> =
-                        (rank + 1..world).filter(|r| peers[*r].is_none()).collect();
-                    return Err(fail(format!(
-                        "ranks {missing:?} published an address but never connected"
-                    )));
+    /// Accepts the higher ranks until each is connected, refusing connections that fail
+    /// admission (they do not stop the group) and stopping on an admitted peer that does not
+    /// fit.
+    fn accept_higher(&self, listener: &TcpListener, peers: &mut [Option<TcpStream>]) -> Result<()> {
+        let (rank, world) = (self.rank, self.world);
+        listener
+            .set_nonblocking(true)
+            .map_err(|e| DdpError::io("configuring the data-plane listener", e))?;
+        let mut expected = world - 1 - rank;
+        while expected > 0 {
+            let (stream, from) = match listener.accept() {
+                Ok(s) => s,
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                    if Instant::now() >= self.deadline {
+                        let missing: Vec<usize> =
+                            (rank + 1..world).filter(|r| peers[*r].is_none()).collect();
+                        return Err(self.fail(format!(
+                            "{} published an address but never connected",
+                            name_ranks(&missing)
+                        )));
+                    }
+                    std::thread::sleep(Duration::from_millis(1));
+                    continue;
                 }
-                std::thread::sleep(Duration::from_millis(1));
-                continue;
+                Err(e) => return Err(DdpError::io("accepting a peer", e)),
+            };
+            if let Some(peer) = self.admit(&stream, from, peers)? {
+                peers[peer] = Some(stream);
+                expected -= 1;
             }
-            Err(e) => return Err(DdpError::io("accepting a peer", e)),
-        };
-        let until = deadline.min(Instant::now() + ADMISSION_TIMEOUT);
+        }
+        Ok(())
+    }
+
+    /// Runs admission on a connection from `from`: the peer it turned out to be, `None` when
+    /// it was refused (not the job's), or the error of an admitted peer that does not fit.
+    fn admit(
+        &self,
+        stream: &TcpStream,
+        from: SocketAddr,
+        peers: &[Option<TcpStream>],
+    ) -> Result<Option<usize>> {
+        let (rank, world) = (self.rank, self.world);
+        let until = self.deadline.min(Instant::now() + ADMISSION_TIMEOUT);
         let admission = stream
             .set_nonblocking(false)
             .map_err(|source| handshake::AdmissionError::Io {
                 step: "configuring the socket",
                 source,
             })
-            .and_then(|_| handshake::respond(&stream, &side(&mine, secret), until));
+            .and_then(|_| handshake::respond(stream, &side(&self.mine, self.secret), until));
         let verified = match admission {
             Err(e) => {
                 log::warn!("rank {rank}: refused a data-plane connection from {from}: {e}");
-                continue;
+                return Ok(None);
             }
             Ok(v) => v,
         };
         // Only an admitted peer's claims can stop the group.
         let Some((peer, w)) = parse_claims(&verified.claims) else {
             log::warn!("rank {rank}: refused a data-plane connection from {from}: bad claims");
-            verified.refuse(&stream, "malformed claims");
-            continue;
+            verified.refuse(stream, "malformed claims");
+            return Ok(None);
         };
         let problem = if w != world {
             Some(format!(
@@ -207,25 +283,12 @@ pub(crate) fn connect(
             None
         };
         if let Some(reason) = problem {
-            verified.refuse(&stream, &format!("rank {rank}: {reason}"));
-            return Err(fail(reason));
+            verified.refuse(stream, &format!("rank {rank}: {reason}"));
+            return Err(self.fail(reason));
         }
         verified
-            .admit(&stream)
-            .map_err(|e| fail(format!("cannot answer rank {peer}: {e}")))?;
-        peers[peer] = Some(stream);
-        expected -= 1;
+            .admit(stream)
+            .map_err(|e| self.fail(format!("cannot answer rank {peer}: {e}")))?;
+        Ok(Some(peer))
     }
-
-    for stream in peers.iter().flatten() {
-        crate::liveness::watch(stream);
-        let sock = socket2::SockRef::from(stream);
-        stream
-            .set_nodelay(true)
-            .and_then(|_| stream.set_read_timeout(None))
-            .and_then(|_| sock.set_send_buffer_size(SOCKET_BUFFER))
-            .and_then(|_| sock.set_recv_buffer_size(SOCKET_BUFFER))
-            .map_err(|e| DdpError::io("configuring a data-plane socket", e))?;
-    }
-    Ok(peers)
 }

@@ -33,6 +33,7 @@ use super::checkpoint::{CheckpointConfig, Position};
 use super::gather::GlobalItem;
 use super::reducer::GradientReducer;
 use super::sampler::DistributedSampler;
+use super::telemetry::Telemetry;
 use super::telemetry::trace::Trace;
 use crate::ProcessGroup;
 use crate::error::{DdpError, Result};
@@ -85,17 +86,20 @@ pub(crate) struct DdpStrategy {
     signals: StopSignals,
     /// This rank's Chrome trace, if profiling.
     trace: Option<Arc<Trace>>,
+    /// Where rank 0 records each step's figures for the learner's metrics.
+    telemetry: Telemetry,
 }
 
 impl DdpStrategy {
     /// The strategy that trains on `device` with `reducer` and `buffers` over `group`, fed as
-    /// `feeding` says, writing `checkpoints` and (if profiling) `trace`.
+    /// `feeding` says, writing `checkpoints`, each step's figures to `telemetry` and (if
+    /// profiling) its `trace`.
     pub(crate) fn new(
         (group, device): (Arc<ProcessGroup>, Device),
         (reducer, buffers): (GradientReducer, Buffers),
         feeding: Feeding,
         checkpoints: Option<CheckpointConfig>,
-        trace: Option<Arc<Trace>>,
+        (telemetry, trace): (Telemetry, Option<Arc<Trace>>),
     ) -> Result<Self> {
         Ok(DdpStrategy {
             signals: StopSignals::arm(group.rank(), group.options().timeout)?,
@@ -109,6 +113,7 @@ impl DdpStrategy {
             checkpoints,
             failure: Arc::new(Mutex::new(None)),
             trace,
+            telemetry,
         })
     }
 

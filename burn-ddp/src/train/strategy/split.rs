@@ -15,7 +15,6 @@ use crate::collectives::ReduceOp;
 use crate::error::{DdpError, Result};
 use crate::train::gather::{GlobalItem, PendingItem};
 use crate::train::stop::{StepVote, Stop, Voters};
-use crate::train::telemetry;
 use crate::wire::Writer;
 
 /// A step's output on its way to rank 0's event processor.
@@ -250,7 +249,7 @@ impl<'a> SplitPass<'a> {
         if let Some(item) = item {
             // The telemetry metrics find the step's figures by its iteration.
             if let Some(stats) = stats {
-                telemetry::record(report.iteration, stats);
+                self.strategy.telemetry.record(report.iteration, stats);
             }
             let event = TrainingItem::new(item, report.progress, Some(report.iteration), report.lr);
             self.interrupter

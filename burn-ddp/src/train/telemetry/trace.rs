@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 use std::time::Instant;
 
-use crate::elastic::json_string;
+use crate::wire::json_string;
 
 /// Where the computing thread's events go (`tid` 0); all-reduces overlap with it (`tid` 1).
 pub(crate) const COMPUTE: u32 = 0;

@@ -25,7 +25,7 @@ fn a_rank_that_dies_before_joining_is_named_within_the_rendezvous_timeout() {
     for r in [0, 2] {
         let (code, err) = finish(&mut ranks.0[r], start + timeout * 3);
         assert_eq!(code, Some(COLLECTIVE_FAILED), "rank {r}: {err}");
-        assert!(err.contains("ranks [1] did not join"), "rank {r}: {err}");
+        assert!(err.contains("rank 1 did not join"), "rank {r}: {err}");
     }
     assert!(start.elapsed() < timeout * 2, "{:?}", start.elapsed());
 }

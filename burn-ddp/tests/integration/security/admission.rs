@@ -37,7 +37,10 @@ fn stray(rank0_addr: &[u8], secret: Option<JobSecret>) -> burn_ddp::Result<Proce
     let own = StoreServer::bind_with_secret("127.0.0.1:0", secret.clone()).unwrap();
     let port = own.local_addr().port();
     let store = Store::connect_with_secret(&format!("127.0.0.1:{port}"), T, secret.as_ref());
-    store.unwrap().set("bddp/mesh/addr/0", rank0_addr).unwrap();
+    store
+        .unwrap()
+        .set(&burn_ddp::testing::mesh_addr_key(0), rank0_addr)
+        .unwrap();
     let mut b = ProcessGroup::builder(1, 2)
         .master_addr("127.0.0.1")
         .master_port(port)
@@ -69,10 +72,12 @@ fn strays_claiming_a_rank_cannot_join_the_data_plane() {
     let store = store.unwrap();
     std::thread::scope(|s| {
         let rank0 = s.spawn(|| build(0));
-        let addr0 = store.get("bddp/mesh/addr/0").unwrap();
+        let addr0 = store.get(&burn_ddp::testing::mesh_addr_key(0)).unwrap();
         // A placeholder for rank 1's address lets rank 0 start accepting before rank 1 runs,
         // so the strays are the first to reach it.
-        store.set("bddp/mesh/addr/1", b"127.0.0.1:1").unwrap();
+        store
+            .set(&burn_ddp::testing::mesh_addr_key(1), b"127.0.0.1:1")
+            .unwrap();
 
         let start = Instant::now();
         let wrong = stray(&addr0, Some(JobSecret::generate().unwrap())).unwrap_err();

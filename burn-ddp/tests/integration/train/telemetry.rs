@@ -9,9 +9,7 @@ use burn::data::dataloader::DataLoaderBuilder;
 use burn::optim::SgdConfig;
 use burn::train::SupervisedTraining;
 use burn_ddp::ProcessGroup;
-use burn_ddp::train::{
-    DdpLearner, DdpMetric, DdpTraining, DistributedSampler, ProgressOutput, QuietRenderer,
-};
+use burn_ddp::train::{DdpLearner, DdpTraining, DistributedSampler, ProgressOutput, QuietRenderer};
 
 use super::evaluation::{Recorded, number};
 use super::model::{DATA, Points, SLOW_FORWARD, ToBatch, flex, new_net};
@@ -41,25 +39,26 @@ fn the_straggler_is_measured_and_every_rank_writes_its_trace() {
                 .build(sampler.dataset(Points(DATA)))
         };
         let artifacts = super::thread_dir("telemetry");
-        let training = SupervisedTraining::new(&artifacts, loader(), loader())
-            .metric_train_numeric(DdpMetric::compute())
-            .metric_train(Recorded {
-                inner: DdpMetric::straggler_lag(),
-                epochs: lag.clone(),
-            })
-            .metric_train(Recorded {
-                inner: DdpMetric::communication(),
-                epochs: comm.clone(),
-            })
-            .renderer(Box::new(QuietRenderer))
-            .with_application_logger(None)
-            .num_epochs(1);
         let learner = DdpLearner::with_group(group, model.clone(), SgdConfig::new().init(), 0.1)
             .sampler(&sampler)
             .valid_sampler(&sampler)
             .buckets(small_buckets())
             .profile(&dir)
             .progress(ProgressOutput::Keep);
+        let figures = learner.telemetry();
+        let training = SupervisedTraining::new(&artifacts, loader(), loader())
+            .metric_train_numeric(figures.compute())
+            .metric_train(Recorded {
+                inner: figures.straggler_lag(),
+                epochs: lag.clone(),
+            })
+            .metric_train(Recorded {
+                inner: figures.communication(),
+                epochs: comm.clone(),
+            })
+            .renderer(Box::new(QuietRenderer))
+            .with_application_logger(None)
+            .num_epochs(1);
         let result = training.launch_ddp(learner).expect("training");
         SLOW_FORWARD.set(Duration::ZERO);
         assert!(result.error.is_none(), "{:?}", result.error);

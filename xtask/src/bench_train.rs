@@ -1,0 +1,170 @@
+//! `bench-train`: the quickstart's step time and samples/s under `DdpLearner` against burn's
+//! `Learner` and across world sizes, transports and gradient compressions (and, with `--hosts`,
+//! across hosts of network namespaces on a slow link). It prints figures, it does not pass or
+//! fail; it builds in the release profile unless given `--debug` (the smoke test's way to run it
+//! quickly).
+
+mod runner;
+mod runs;
+
+use anyhow::Result;
+use clap::Args;
+
+use runner::Runner;
+use runs::{across_hosts_runs, summarise_across_hosts, summarise_this_host, this_host_runs};
+
+/// Quickstart step time of DdpLearner at world size 1 against burn's Learner, and samples/s at
+/// world size 2 against 1; with `--hosts`, step time and scaling across hosts of network
+/// namespaces on a slow link, against the same world on one host, with and without bf16
+/// gradients.
+#[derive(Debug, Args)]
+pub struct BenchTrain {
+    /// Epochs per run
+    #[arg(long, value_name = "N", default_value_t = 3)]
+    epochs: usize,
+    /// Runs of each kind (the median is reported)
+    #[arg(long, value_name = "N", default_value_t = 3)]
+    repeats: usize,
+    /// Batch size per rank
+    #[arg(long, value_name = "B", default_value_t = 32)]
+    batch_size: usize,
+    /// Training samples per epoch [default: the quickstart's]
+    #[arg(long, value_name = "N")]
+    samples: Option<usize>,
+    /// The quickstart's network (`mlp`, or `mlp-large`: 784-1024-1024-10) [default: mlp;
+    /// with --hosts: mlp-large]
+    #[arg(long, value_name = "KIND")]
+    model: Option<String>,
+    /// Train across this many hosts made of network namespaces (root; see `cargo xtask
+    /// cluster`): world 1, the same world on one host, and across the hosts, each with and
+    /// without bf16 gradients
+    #[arg(long, value_name = "N")]
+    hosts: Option<usize>,
+    /// With --hosts: ranks per host
+    #[arg(long, value_name = "N", default_value_t = 1, requires = "hosts")]
+    nproc_per_host: usize,
+    /// With --hosts: rate of each host's link in tc syntax (`1gbit`) [default: unlimited]
+    #[arg(long, value_name = "RATE", requires = "hosts")]
+    link_rate: Option<String>,
+    /// Build in the dev profile (quick to build, not for figures)
+    #[arg(long)]
+    debug: bool,
+}
+
+/// One quickstart run's figures, read from its `--report` file.
+struct Timing {
+    seconds: f64,
+    steps: f64,
+    samples: f64,
+    /// Bytes each rank sends into the gradient all-reduces per step.
+    bytes: f64,
+}
+
+impl Timing {
+    fn per_step_ms(&self) -> f64 {
+        self.seconds * 1e3 / self.steps
+    }
+    fn samples_per_sec(&self) -> f64 {
+        self.samples / self.seconds
+    }
+}
+
+fn median(mut xs: Vec<f64>) -> f64 {
+    xs.sort_by(f64::total_cmp);
+    xs[xs.len() / 2]
+}
+
+/// One kind of quickstart run in `bench-train`.
+struct TrainRun {
+    label: String,
+    /// Ranks (per host when `across_hosts`).
+    nproc: usize,
+    /// burn's own Learner instead of DdpLearner.
+    plain: bool,
+    /// Extra quickstart flags.
+    extra: &'static [&'static str],
+    /// `BURN_DDP_TRANSPORT`.
+    transport: &'static str,
+    /// On every host of the cluster instead of on this host.
+    across_hosts: bool,
+}
+
+impl TrainRun {
+    fn here(label: impl Into<String>, nproc: usize, extra: &'static [&'static str]) -> Self {
+        TrainRun {
+            label: label.into(),
+            nproc,
+            plain: false,
+            extra,
+            transport: "tcp",
+            across_hosts: false,
+        }
+    }
+    fn transport(mut self, transport: &'static str) -> Self {
+        self.transport = transport;
+        self
+    }
+}
+
+/// Runs `bench-train`.
+pub fn bench_train(task: BenchTrain) -> Result<()> {
+    let repeats = task.repeats.max(1);
+    let runner = Runner::new(&task)?;
+    let runs = match task.hosts {
+        Some(hosts) => across_hosts_runs(hosts, task.nproc_per_host, task.link_rate.as_deref()),
+        None => this_host_runs(),
+    };
+    let mut timings: Vec<Vec<Timing>> = runs.iter().map(|_| Vec::new()).collect();
+    for round in 0..repeats {
+        eprintln!("bench-train: round {} of {repeats}", round + 1);
+        for (r, t) in runs.iter().zip(&mut timings) {
+            t.push(runner.run(r)?);
+        }
+    }
+    let model = runner.finish();
+    print_table(&task, &model, repeats, &runs, &timings);
+    match task.hosts {
+        Some(hosts) => summarise_across_hosts(&timings, hosts * task.nproc_per_host),
+        None => summarise_this_host(&timings),
+    }
+    Ok(())
+}
+
+/// Prints the heading and one line per run: median step time and rate, bytes per step.
+fn print_table(
+    task: &BenchTrain,
+    model: &str,
+    repeats: usize,
+    runs: &[TrainRun],
+    timings: &[Vec<Timing>],
+) {
+    let (epochs, batch) = (task.epochs, task.batch_size);
+    println!(
+        "bench-train: quickstart --model {model}, {epochs} epochs, batch {batch} per rank, median \
+         of {repeats}"
+    );
+    println!(
+        "{:<50} {:>10} {:>12} {:>12}",
+        "run", "ms/step", "samples/s", "bytes/step"
+    );
+    for (r, t) in runs.iter().zip(timings) {
+        let bytes = t.first().map_or(0.0, |t| t.bytes);
+        println!(
+            "{:<50} {:>10.3} {:>12.0} {:>12.0}",
+            r.label,
+            step(t),
+            rate(t),
+            bytes
+        );
+    }
+}
+
+/// Median milliseconds per step.
+fn step(t: &[Timing]) -> f64 {
+    median(t.iter().map(Timing::per_step_ms).collect())
+}
+
+/// Median samples per second.
+fn rate(t: &[Timing]) -> f64 {
+    median(t.iter().map(Timing::samples_per_sec).collect())
+}

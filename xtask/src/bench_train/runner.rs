@@ -1,0 +1,132 @@
+//! The quickstart runs of `bench-train`: building the programs (and with `--hosts` the cluster)
+//! once, running each kind of run here or across the hosts, and reading its figures.
+
+use std::path::{Path, PathBuf};
+
+use anyhow::{Context, Result};
+use burn_ddp::launch::{LaunchConfig, launch};
+use burn_ddp::testing::cluster::Cluster;
+
+use super::{BenchTrain, Timing, TrainRun};
+use crate::build::build_cpu_program;
+
+/// What every quickstart run of one `bench-train` shares: the program, the cluster and the
+/// scratch directory.
+pub(super) struct Runner<'a> {
+    task: &'a BenchTrain,
+    /// The quickstart's `--model`.
+    model: String,
+    /// The quickstart.
+    exe: PathBuf,
+    /// With --hosts: the cluster and its launcher, made once for every run.
+    cluster: Option<(Cluster, PathBuf)>,
+    /// Reports and artifacts of the runs.
+    scratch: PathBuf,
+}
+
+impl<'a> Runner<'a> {
+    /// Builds the quickstart (and with --hosts the launcher, and creates the cluster).
+    pub(super) fn new(task: &'a BenchTrain) -> Result<Self> {
+        let default_model = if task.hosts.is_some() {
+            "mlp-large"
+        } else {
+            "mlp"
+        };
+        let model = task.model.clone().unwrap_or(default_model.into());
+        let exe = build_cpu_program("quickstart", !task.debug)?;
+        let cluster = match task.hosts {
+            Some(hosts) => {
+                let launcher = build_cpu_program("burn-ddp-run", !task.debug)?;
+                Some((
+                    crate::cluster::create(hosts, task.link_rate.clone())?,
+                    launcher,
+                ))
+            }
+            None => None,
+        };
+        let scratch =
+            std::env::temp_dir().join(format!("burn-ddp-bench-train-{}", std::process::id()));
+        std::fs::create_dir_all(&scratch)?;
+        Ok(Runner {
+            task,
+            model,
+            exe,
+            cluster,
+            scratch,
+        })
+    }
+
+    /// The quickstart's flags for run `r`, writing its report to `report`.
+    fn args(&self, r: &TrainRun, report: &Path) -> Vec<String> {
+        let mut args: Vec<String> = vec![
+            "--quiet".into(),
+            "--epochs".into(),
+            self.task.epochs.to_string(),
+            "--batch-size".into(),
+            self.task.batch_size.to_string(),
+            "--report".into(),
+            report.display().to_string(),
+            "--artifacts".into(),
+            self.scratch.join("artifacts").display().to_string(),
+            "--model".into(),
+            self.model.clone(),
+        ];
+        if let Some(n) = self.task.samples {
+            args.extend(["--samples".into(), n.to_string()]);
+        }
+        if r.plain {
+            args.push("--plain".into());
+        }
+        args.extend(r.extra.iter().map(|s| s.to_string()));
+        args
+    }
+
+    /// Runs `r` once, here or across the hosts, and reads its figures.
+    pub(super) fn run(&self, r: &TrainRun) -> Result<Timing> {
+        let report = self.scratch.join("report.txt");
+        let _ = std::fs::remove_file(&report);
+        let args = self.args(r, &report);
+        match (&self.cluster, r.across_hosts) {
+            (Some((cluster, launcher)), true) => {
+                let mut program = vec![self.exe.clone().into_os_string()];
+                program.extend(args.into_iter().map(Into::into));
+                let env = vec![("BURN_DDP_TRANSPORT".into(), r.transport.into())];
+                let job = crate::cluster::job(launcher, r.nproc, program, env)?;
+                crate::cluster::run_job(cluster, &job).context("quickstart run across hosts")?;
+            }
+            _ => {
+                let cfg = LaunchConfig::new(self.exe.clone(), r.nproc)
+                    .args(args)
+                    .env("BURN_DDP_TRANSPORT", r.transport);
+                launch(&cfg).context("quickstart run")?;
+            }
+        }
+        read_timing(&report, &r.label)
+    }
+
+    /// Removes the hosts and the scratch directory; returns the model's name for the table.
+    pub(super) fn finish(self) -> String {
+        drop(self.cluster);
+        let _ = std::fs::remove_dir_all(&self.scratch);
+        self.model
+    }
+}
+
+/// Reads the quickstart's `--report` file of the run labelled `label`.
+fn read_timing(report: &Path, label: &str) -> Result<Timing> {
+    let text = std::fs::read_to_string(report)
+        .with_context(|| format!("reading the report of {label:?}"))?;
+    let field = |name: &str| -> Result<f64> {
+        text.split_whitespace()
+            .find_map(|kv| kv.strip_prefix(&format!("{name}=")))
+            .with_context(|| format!("{name} missing from the report"))?
+            .parse()
+            .with_context(|| format!("bad {name} in the report"))
+    };
+    Ok(Timing {
+        seconds: field("seconds")?,
+        steps: field("steps")?,
+        samples: field("samples")?,
+        bytes: field("bytes_per_step")?,
+    })
+}

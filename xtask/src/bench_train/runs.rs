@@ -1,0 +1,118 @@
+//! What `bench-train` runs and what it concludes: the kinds of quickstart run on this host and
+//! across hosts, and the summaries printed under the table.
+
+use super::{Timing, TrainRun, rate, step};
+
+const BF16: &[&str] = &["--compression", "bf16"];
+const FP16: &[&str] = &["--compression", "fp16"];
+
+/// The runs of `bench-train` on this host.
+pub(super) fn this_host_runs() -> Vec<TrainRun> {
+    let w2 = "DdpLearner, world 2 (tcp)";
+    vec![
+        TrainRun {
+            plain: true,
+            ..TrainRun::here("burn Learner, 1 process", 1, &[])
+        },
+        TrainRun::here("DdpLearner, world 1", 1, &[]),
+        TrainRun::here(w2, 2, &[]),
+        TrainRun::here(format!("{w2}, no desync check"), 2, &["--no-desync-check"]),
+        TrainRun::here(format!("{w2}, bf16 gradients"), 2, BF16),
+        TrainRun::here(format!("{w2}, fp16 gradients"), 2, FP16),
+        TrainRun::here(format!("{w2}, shared memory"), 2, &[]).transport("shm"),
+        TrainRun::here(format!("{w2}, shm, bf16"), 2, BF16).transport("shm"),
+    ]
+}
+
+pub(super) fn summarise_this_host(timings: &[Vec<Timing>]) {
+    let [plain, ddp1, ddp2, unchecked, bf16, _fp16, shm, _shm_bf16] = timings else {
+        unreachable!("one timing list per run")
+    };
+    println!(
+        "cost of the desync check at world 2: {:+.1}% of step time (ratio {:.3})",
+        (step(ddp2) / step(unchecked) - 1.0) * 100.0,
+        step(ddp2) / step(unchecked)
+    );
+    println!(
+        "overhead of DdpLearner at world 1: {:+.1}% (ratio {:.3})",
+        (step(ddp1) / step(plain) - 1.0) * 100.0,
+        step(ddp1) / step(plain)
+    );
+    println!(
+        "scaling world 2 / world 1: {:.2}x samples/s ({:.0}% efficiency)",
+        rate(ddp2) / rate(ddp1),
+        rate(ddp2) / rate(ddp1) / 2.0 * 100.0
+    );
+    println!(
+        "bf16 gradients at world 2: step time ratio {:.3}, bytes per step ratio {:.3}",
+        step(bf16) / step(ddp2),
+        bf16[0].bytes / ddp2[0].bytes.max(1.0)
+    );
+    println!(
+        "shared memory at world 2: step time ratio {:.3} against TCP",
+        step(shm) / step(ddp2)
+    );
+}
+
+/// The runs of `bench-train --hosts`: world 1, then the world of `hosts` x `per_host` ranks on
+/// one host and across the hosts, each without and with bf16 gradients. Every DdpLearner run
+/// uses the default transport (`auto`: shared memory within a host, TCP between hosts).
+pub(super) fn across_hosts_runs(
+    hosts: usize,
+    per_host: usize,
+    link: Option<&str>,
+) -> Vec<TrainRun> {
+    let world = hosts * per_host;
+    let here = format!("world {world}, 1 host");
+    let across = format!(
+        "world {world}, {hosts} hosts x {per_host}, link {}",
+        link.unwrap_or("unlimited")
+    );
+    let across_hosts = |label: String, extra| TrainRun {
+        across_hosts: true,
+        ..TrainRun::here(label, per_host, extra).transport("auto")
+    };
+    vec![
+        TrainRun::here("world 1", 1, &[]).transport("auto"),
+        TrainRun::here(here.clone(), world, &[]).transport("auto"),
+        TrainRun::here(format!("{here}, bf16 gradients"), world, BF16).transport("auto"),
+        across_hosts(across.clone(), &[]),
+        across_hosts(format!("{across}, bf16 gradients"), BF16),
+    ]
+}
+
+pub(super) fn summarise_across_hosts(timings: &[Vec<Timing>], world: usize) {
+    let [one, here, here_bf16, across, across_bf16] = timings else {
+        unreachable!("one timing list per run")
+    };
+    let w = world as f64;
+    for (what, t) in [
+        ("1 host", here),
+        ("1 host, bf16", here_bf16),
+        ("across hosts", across),
+        ("across hosts, bf16", across_bf16),
+    ] {
+        println!(
+            "scaling world {world} / world 1, {what}: {:.2}x samples/s ({:.0}% efficiency)",
+            rate(t) / rate(one),
+            rate(t) / rate(one) / w * 100.0
+        );
+    }
+    let cost = step(across) - step(here);
+    println!(
+        "the slow link costs {cost:+.1} ms per step ({:.2}x the step time on 1 host)",
+        step(across) / step(here)
+    );
+    let saved = step(across) - step(across_bf16);
+    let recovered = if cost > 0.0 {
+        format!(", {:.0}% of what the link costs", saved / cost * 100.0)
+    } else {
+        String::new()
+    };
+    println!(
+        "bf16 gradients across hosts: {saved:+.1} ms per step saved (step time ratio {:.3}, \
+         bytes per step ratio {:.3}){recovered}",
+        step(across_bf16) / step(across),
+        across_bf16[0].bytes / across[0].bytes.max(1.0)
+    );
+}
