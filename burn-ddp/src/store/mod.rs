@@ -44,7 +44,8 @@ pub enum StoreKind {
     },
 }
 
-enum Backend {
+/// The connection a [`Store`] speaks over: burn-ddp's own protocol or PyTorch's.
+enum Client {
     BurnDdp(NativeClient),
     C10d(C10dClient),
 }
@@ -56,14 +57,14 @@ pub struct Store {
     local: SocketAddr,
     timeout: Duration,
     namespace: String,
-    backend: Backend,
+    client: Client,
 }
 
 impl std::fmt::Debug for Store {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let kind = match self.backend {
-            Backend::BurnDdp(_) => "burn-ddp",
-            Backend::C10d(_) => "c10d",
+        let kind = match self.client {
+            Client::BurnDdp(_) => "burn-ddp",
+            Client::C10d(_) => "c10d",
         };
         f.debug_struct("Store")
             .field("addr", &self.addr)
@@ -147,7 +148,7 @@ impl Store {
             local,
             timeout,
             namespace: String::new(),
-            backend: Backend::BurnDdp(client),
+            client: Client::BurnDdp(client),
         })
     }
 
@@ -161,7 +162,7 @@ impl Store {
             local,
             timeout,
             namespace: namespace.to_string(),
-            backend: Backend::C10d(client),
+            client: Client::C10d(client),
         })
     }
 
@@ -205,9 +206,9 @@ impl Store {
     /// Stores `value` under `key`.
     pub fn set(&self, key: &str, value: &[u8]) -> Result<()> {
         let key = self.key(key);
-        match &self.backend {
-            Backend::BurnDdp(c) => c.set(&key, value),
-            Backend::C10d(c) => c.set(&key, value),
+        match &self.client {
+            Client::BurnDdp(c) => c.set(&key, value),
+            Client::C10d(c) => c.set(&key, value),
         }
     }
 
@@ -235,18 +236,18 @@ impl Store {
 
     fn try_get_timeout(&self, key: &str, timeout: Duration) -> Result<Option<Vec<u8>>> {
         let key = self.key(key);
-        match &self.backend {
-            Backend::BurnDdp(c) => c.get(&key, timeout),
-            Backend::C10d(c) => c.get(&key, timeout),
+        match &self.client {
+            Client::BurnDdp(c) => c.get(&key, timeout),
+            Client::C10d(c) => c.get(&key, timeout),
         }
     }
 
     /// Atomically adds `delta` to the integer under `key` (absent: 0) and returns the new value.
     pub fn add(&self, key: &str, delta: i64) -> Result<i64> {
         let key = self.key(key);
-        match &self.backend {
-            Backend::BurnDdp(c) => c.add(&key, delta),
-            Backend::C10d(c) => c.add(&key, delta),
+        match &self.client {
+            Client::BurnDdp(c) => c.add(&key, delta),
+            Client::C10d(c) => c.add(&key, delta),
         }
     }
 
@@ -254,9 +255,9 @@ impl Store {
     /// value). Returns the value after the call: `desired` if this call won.
     pub fn compare_set(&self, key: &str, expected: &[u8], desired: &[u8]) -> Result<Vec<u8>> {
         let key = self.key(key);
-        match &self.backend {
-            Backend::BurnDdp(c) => c.compare_set(&key, expected, desired),
-            Backend::C10d(c) => c.compare_set(&key, expected, desired),
+        match &self.client {
+            Client::BurnDdp(c) => c.compare_set(&key, expected, desired),
+            Client::C10d(c) => c.compare_set(&key, expected, desired),
         }
     }
 
@@ -266,9 +267,9 @@ impl Store {
             return Ok(());
         }
         let full: Vec<String> = keys.iter().map(|k| self.key(k)).collect();
-        let missing = match &self.backend {
-            Backend::BurnDdp(c) => c.wait(&full, timeout)?,
-            Backend::C10d(c) => c.wait(&full, timeout)?,
+        let missing = match &self.client {
+            Client::BurnDdp(c) => c.wait(&full, timeout)?,
+            Client::C10d(c) => c.wait(&full, timeout)?,
         };
         if missing.is_empty() {
             return Ok(());
@@ -310,10 +311,10 @@ impl Store {
     /// store (which cannot check one), a secret the ranks agree on through it
     /// ([`Store::agree_on_secret`]); else none.
     pub(crate) fn secret_for_group(&self, given: Option<JobSecret>) -> Result<Option<JobSecret>> {
-        match (given, &self.backend) {
+        match (given, &self.client) {
             (Some(s), _) => Ok(Some(s)),
-            (None, Backend::C10d(_)) => self.agree_on_secret().map(Some),
-            (None, Backend::BurnDdp(_)) => Ok(None),
+            (None, Client::C10d(_)) => self.agree_on_secret().map(Some),
+            (None, Client::BurnDdp(_)) => Ok(None),
         }
     }
 
