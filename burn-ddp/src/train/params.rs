@@ -9,6 +9,7 @@ use burn::tensor::{DType, Tensor};
 
 use crate::ProcessGroup;
 use crate::error::{DdpError, Result};
+use crate::wire::Writer;
 
 /// One float tensor of a module (a parameter or a buffer such as a running mean).
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -98,19 +99,23 @@ pub fn check_agreement(
         )
     }));
     lines.push(format!("{} float tensors", params.len()));
-    let said = group.gather_said(lines.join("\n").into_bytes())?;
-    let lines_of = |r: usize| -> Vec<&str> {
-        std::str::from_utf8(&said.all[r])
-            .unwrap_or("")
-            .lines()
-            .collect()
-    };
-    let reference = lines_of(0);
+    let mut mine = Writer::default();
+    mine.u32(lines.len() as u32);
+    for line in &lines {
+        mine.bytes(line.as_bytes());
+    }
+    let said = group.gather_said(mine.buf)?;
+    let all = said.decode_each("its settings and layout", |r| {
+        (0..r.u32()?)
+            .map(|_| r.string())
+            .collect::<std::result::Result<Vec<_>, _>>()
+    })?;
+    let reference = &all[0];
     for rank in said.differing() {
-        let theirs = lines_of(rank);
+        let theirs = &all[rank];
         let n = reference.len().max(theirs.len());
         if let Some(i) = (0..n).find(|i| reference.get(*i) != theirs.get(*i)) {
-            let show = |l: Option<&&str>| l.map_or("nothing".to_string(), |s| s.to_string());
+            let show = |l: Option<&String>| l.map_or("nothing".to_string(), |s| s.clone());
             return Err(DdpError::Disagreement(format!(
                 "rank 0 has {} but rank {rank} has {}",
                 show(reference.get(i)),

@@ -143,7 +143,7 @@ pub(super) fn all_gather(
     let shape = gather_shape(n, tensor.dtype());
     let started = comm.start_all_gather(tensor);
     group.on_worker(move |w| {
-        let said = w.gather_said(shape.as_bytes())?;
+        let said = w.gather_said(&shape)?;
         if let Some(reason) = shape_mismatch(&said) {
             return Err(invalid(w.rank(), "all_gather", reason));
         }
@@ -154,20 +154,31 @@ pub(super) fn all_gather(
     })
 }
 
-/// What every rank's all-gather input must share, in words: its length and element type.
-fn gather_shape(n: usize, dtype: burn::tensor::DType) -> String {
-    format!("{n} x {dtype:?}")
+/// What every rank's all-gather input must share: its length and element type.
+fn gather_shape(n: usize, dtype: burn::tensor::DType) -> Vec<u8> {
+    let dtype = format!("{dtype:?}");
+    Writer::default()
+        .u64(n as u64)
+        .bytes(dtype.as_bytes())
+        .buf
+        .clone()
 }
 
 /// The first disagreement of the gathered shapes with rank 0's, in words.
 fn shape_mismatch(said: &Said) -> Option<String> {
     let other = *said.differing().first()?;
-    let all = &said.all;
+    let words = |r: usize| {
+        let mut reader = Reader::new(&said.all[r]);
+        match (reader.u64(), reader.string()) {
+            (Ok(n), Ok(dtype)) => format!("{n} x {dtype}"),
+            _ => "a malformed shape".to_string(),
+        }
+    };
     Some(format!(
         "rank 0 gathers {} but rank {other} {}: tensors gathered must have the same length and \
          element type on every rank",
-        String::from_utf8_lossy(&all[0]),
-        String::from_utf8_lossy(&all[other])
+        words(0),
+        words(other)
     ))
 }
 
@@ -211,8 +222,8 @@ mod tests {
 
     #[test]
     fn gathers_compare_length_and_type() {
-        let said = |shapes: &[String]| Said {
-            all: shapes.iter().map(|s| s.clone().into_bytes()).collect(),
+        let said = |shapes: &[Vec<u8>]| Said {
+            all: shapes.to_vec(),
         };
         let mine = gather_shape(10, DType::BF16);
         let same = said(&[mine.clone(), mine.clone(), mine.clone()]);
