@@ -21,6 +21,8 @@
 //! `DdpLearner`'s buckets travel by NCCL). Status: built and tested without a GPU (library
 //! finder, NCCL id, device and type tables, waits); it has not yet run on a GPU.
 
+// docs.rs marks each item with the feature it needs (`--cfg docsrs`, see Cargo.toml).
+#![cfg_attr(docsrs, feature(doc_cfg))]
 #![deny(unsafe_code)]
 
 mod error;

@@ -52,6 +52,8 @@
 
 // All unsafe code is in one module (`collectives/shm/mapping.rs`, the shared-memory mapping),
 // which allows it for itself.
+// docs.rs marks each item with the feature it needs (`--cfg docsrs`, see Cargo.toml).
+#![cfg_attr(docsrs, feature(doc_cfg))]
 #![deny(unsafe_code)]
 #![warn(missing_docs)]
 

@@ -4,7 +4,7 @@
 //! variable on every node (see `SECURITY.md`).
 //!
 //! The secret never leaves the process: every store and data-plane connection opens with a
-//! challenge and response ([`handshake`]) in which both sides prove with an HMAC-SHA256 over
+//! challenge and response (the handshake) in which both sides prove with an HMAC-SHA256 over
 //! fresh nonces that they hold it. It is never printed (its `Debug` shows only its length).
 //! It keeps out processes that do not hold it; it does not encrypt or authenticate the traffic
 //! after admission (use a private network or WireGuard/IPsec for that, as with NCCL and gloo).

@@ -1,7 +1,7 @@
 //! Where each rank is: phase (training, validation, checkpointing...), epoch, step, what the
 //! training thread does and which collective the collective thread runs. Every rank publishes
 //! its status to the store (phase changes at once, the rest at most every
-//! [`PUBLISH_INTERVAL`]), so a failed or timed-out collective can say where every rank was, and a
+//! 100 ms), so a failed or timed-out collective can say where every rank was, and a
 //! dead rank's last report says what it was doing: "rank 3: validation, epoch 2, step 118;
 //! ranks 0-2: training, epoch 2, step 118, waits for bucket 4 of 7".
 

@@ -1,0 +1,1 @@
+../../../burn-ddp/doc/whole_program.rs
