@@ -1,9 +1,10 @@
-//! Cost of the desync check: training steps (forward, backward, bucketed gradient reduction) of
-//! the quickstart's MLP on two ranks (threads over loopback), with and without the per-bucket
-//! fingerprint, in alternating blocks so that both see the same machine.
+//! Cost of the reducer's checks: training steps (forward, backward, bucketed gradient
+//! reduction) of an MLP (the quickstart's by default) on two ranks (threads over loopback), with
+//! both checks, without the desync check (per-bucket fingerprint) and without the non-finite
+//! check, in alternating blocks so that all three see the same machine.
 //!
 //! ```text
-//! cargo run --release -p burn-ddp --example bench_reducer [-- STEPS_PER_BLOCK [BLOCKS]]
+//! cargo run --release -p burn-ddp --example bench_reducer [-- STEPS_PER_BLOCK [BLOCKS] [--hidden N]]
 //! ```
 //!
 //! Both ranks are threads of this one process, connected through a store it serves itself on
@@ -20,11 +21,11 @@ use burn::optim::GradientsParams;
 use burn::tensor::{Device, Int, Tensor, TensorData};
 use burn_ddp::ProcessGroup;
 use burn_ddp::store::StoreServer;
-use burn_ddp::train::{BucketConfig, GradientReducer, broadcast_module};
+use burn_ddp::train::{BucketConfig, GradientReducer, NonFinite, broadcast_module};
 use clap::Parser;
 use clap::builder::RangedU64ValueParser;
 
-/// The quickstart's model: 16 features, 64 hidden, 4 classes.
+/// The quickstart's model: 16 features, 64 hidden (or `--hidden`), 4 classes.
 #[derive(Module, Debug)]
 struct Mlp {
     hidden: Linear,
@@ -45,29 +46,34 @@ fn mean_se(xs: &[f64]) -> (f64, f64) {
     (mean, (var / n).sqrt())
 }
 
-/// Per-step times of each block pair, with the check and without.
-type Timings = (Vec<f64>, Vec<f64>);
+/// Per-step times of each block: with both checks, without the desync check, without the
+/// non-finite check.
+type Timings = [Vec<f64>; 3];
 
-fn rank(group: ProcessGroup, steps: usize, blocks: usize) -> Result<Timings, burn_ddp::DdpError> {
+fn rank(group: ProcessGroup, args: &Args) -> Result<Timings, burn_ddp::DdpError> {
+    let (steps, blocks) = (args.steps, args.blocks);
     let group = Arc::new(group);
     let device = Device::flex().autodiff();
     let model = Mlp {
-        hidden: LinearConfig::new(16, 64).init(&device),
-        out: LinearConfig::new(64, 4).init(&device),
+        hidden: LinearConfig::new(16, args.hidden).init(&device),
+        out: LinearConfig::new(args.hidden, 4).init(&device),
         act: Relu::new(),
     };
     let model = broadcast_module(model, &group)?;
-    let checked = GradientReducer::new(&model, group.clone(), BucketConfig::default())?;
-    let unchecked =
-        GradientReducer::new(&model, group.clone(), BucketConfig::default())?.desync_check(false);
+    let reducer = || GradientReducer::new(&model, group.clone(), BucketConfig::default());
+    let variants = [
+        reducer()?,
+        reducer()?.desync_check(false),
+        reducer()?.non_finite(NonFinite::Propagate),
+    ];
     let x: Vec<f32> = (0..32 * 16).map(|i| ((i * 7) % 13) as f32 / 13.0).collect();
     let y: Vec<i64> = (0..32).map(|i| i % 4).collect();
     let x = Tensor::<2>::from_data(TensorData::new(x, [32, 16]), &device);
     let y = Tensor::<1, Int>::from_data(TensorData::new(y, [32]), &device);
     let loss = CrossEntropyLossConfig::new().init(&device);
-    let (mut with, mut without) = (Vec::new(), Vec::new());
+    let mut times: Timings = Default::default();
     for block in 0..blocks {
-        for (reducer, times) in [(&checked, &mut with), (&unchecked, &mut without)] {
+        for (reducer, times) in variants.iter().zip(&mut times) {
             group.barrier().wait()?;
             let start = Instant::now();
             for s in 0..steps {
@@ -79,10 +85,10 @@ fn rank(group: ProcessGroup, steps: usize, blocks: usize) -> Result<Timings, bur
             times.push(start.elapsed().as_secs_f64() * 1e6 / steps as f64);
         }
     }
-    Ok((with, without))
+    Ok(times)
 }
 
-/// Cost of the desync check per training step, on two ranks (threads).
+/// Cost of the reducer's checks per training step, on two ranks (threads).
 #[derive(Debug, Parser)]
 #[command(name = "bench_reducer")]
 struct Args {
@@ -90,16 +96,22 @@ struct Args {
     #[arg(value_name = "STEPS_PER_BLOCK", default_value_t = 500,
           value_parser = RangedU64ValueParser::<usize>::new().range(1..))]
     steps: usize,
-    /// Pairs of blocks (with, then without the check)
+    /// Rounds of blocks (with both checks, without the desync check, without the non-finite
+    /// check)
     #[arg(value_name = "BLOCKS", default_value_t = 20,
           value_parser = RangedU64ValueParser::<usize>::new().range(1..))]
     blocks: usize,
+    /// Width of the hidden layer (64: the quickstart's 1348 parameters)
+    #[arg(long, default_value_t = 64,
+          value_parser = RangedU64ValueParser::<usize>::new().range(1..))]
+    hidden: usize,
 }
 
 fn main() -> anyhow::Result<()> {
-    let Args { steps, blocks } = Args::parse();
+    let args = Args::parse();
     let server = StoreServer::bind("127.0.0.1:0").context("serving the store")?;
     let port = server.local_addr().port();
+    let args = &args;
     let results = std::thread::scope(|s| {
         let ranks: Vec<_> = (0..2)
             .map(|r| {
@@ -109,7 +121,7 @@ fn main() -> anyhow::Result<()> {
                         .master_port(port)
                         .host_store(false)
                         .build()?;
-                    rank(group, steps, blocks)
+                    rank(group, args)
                 })
             })
             .collect();
@@ -119,24 +131,27 @@ fn main() -> anyhow::Result<()> {
             .collect::<Result<Vec<_>, _>>()
     })
     .context("benchmark rank")?;
-    let (with, without) = &results[0];
-    let diffs: Vec<f64> = with.iter().zip(without).map(|(a, b)| a - b).collect();
-    let (cost, se) = mean_se(&diffs);
-    let step = median(without.clone());
+    let [both, no_desync, no_non_finite] = &results[0];
+    let params = 16 * args.hidden + args.hidden + args.hidden * 4 + 4;
     println!(
-        "bench_reducer: quickstart MLP (1348 parameters, 1 bucket), world 2, {blocks} pairs of \
-         blocks of {steps} steps (with, then without the desync check)"
+        "bench_reducer: MLP 16-{}-4 ({params} parameters), world 2, {} rounds of blocks of {} \
+         steps",
+        args.hidden, args.blocks, args.steps
     );
     println!(
-        "  step with the check, median of blocks:    {:8.1} us",
-        median(with.clone())
+        "  step with both checks, median of blocks: {:8.1} us",
+        median(both.clone())
     );
-    println!("  step without the check, median of blocks: {step:8.1} us");
-    println!(
-        "  cost of the check (mean of paired block differences): {cost:+.2} us +- {se:.2} us per \
-         step = {:+.2}% +- {:.2}% of the step",
-        cost / step * 100.0,
-        se / step * 100.0
-    );
+    for (check, without) in [("desync", no_desync), ("non-finite", no_non_finite)] {
+        let diffs: Vec<f64> = both.iter().zip(without).map(|(a, b)| a - b).collect();
+        let (cost, se) = mean_se(&diffs);
+        let step = median(without.clone());
+        println!(
+            "  cost of the {check} check (mean of paired block differences): {cost:+.2} us +- \
+             {se:.2} us per step = {:+.2}% +- {:.2}% of the step ({step:.1} us without it)",
+            cost / step * 100.0,
+            se / step * 100.0
+        );
+    }
     Ok(())
 }

@@ -130,6 +130,21 @@ pub enum DdpError {
     /// Ranks disagree on something that must be the same everywhere (model layout, settings).
     #[error("ranks disagree: {0}")]
     Disagreement(String),
+    /// Some rank's gradients held a NaN or an infinity (see `train::NonFinite`); every rank
+    /// stops alike, before the optimizer step.
+    #[error("rank {rank}: {detail}")]
+    NonFiniteGradients {
+        /// Rank reporting.
+        rank: usize,
+        /// The ranks whose gradients were not finite.
+        culprits: Vec<usize>,
+        /// The epoch.
+        epoch: usize,
+        /// The step within the epoch.
+        step: usize,
+        /// The whole sentence.
+        detail: String,
+    },
     /// A rank's data loader failed; training stops on every rank.
     #[error("rank {rank}: loading a batch failed: {reason}")]
     Data {

@@ -410,7 +410,7 @@ fn every_example_runs_under_the_launcher() {
     // Two ranks as threads of one process: it starts no ranks, so it runs alone.
     let mut cmd = program("bench_reducer");
     cmd.args(["2", "1"]);
-    run(cmd).succeeds_printing(&["cost of the check"]);
+    run(cmd).succeeds_printing(&["cost of the desync check", "cost of the non-finite check"]);
 }
 
 #[test]

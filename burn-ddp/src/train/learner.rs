@@ -29,6 +29,7 @@ use super::buffers::{BufferSync, Buffers};
 use super::checkpoint::CheckpointConfig;
 use super::compression::Compression;
 use super::gather::GlobalItem;
+use super::non_finite::NonFinite;
 use super::params::{broadcast_module, check_agreement, layout};
 use super::progress::ProgressOutput;
 use super::quiet::QuietRenderer;
@@ -187,6 +188,15 @@ impl<M: LearnerModel> DdpLearner<M> {
         self
     }
 
+    /// What a NaN or an infinity in some rank's gradients comes to (default
+    /// [`NonFinite::Stop`]: every rank stops with an error naming the rank(s), the epoch and the
+    /// step, before the optimizer applies them). [`NonFinite::SkipStep`] skips the optimizer
+    /// step instead (every rank alike); [`NonFinite::Propagate`] does not check, as PyTorch.
+    pub fn non_finite(mut self, non_finite: NonFinite) -> Self {
+        self.shared.non_finite = non_finite;
+        self
+    }
+
     /// Every rank writes a Chrome trace of its training steps to `dir/rank-<r>.json` (open it
     /// in Perfetto or chrome://tracing): the forward and backward pass, each bucket's pack,
     /// all-reduce and the unpack, the optimizer step. Written at each epoch's end.
@@ -220,7 +230,8 @@ impl<M: LearnerModel> DdpLearner<M> {
         let model = broadcast_module(model, &self.group)?;
         let reducer = GradientReducer::new(&model, self.group.clone(), self.buckets)?
             .desync_check(shared.desync_check)
-            .compression(shared.compression);
+            .compression(shared.compression)
+            .non_finite(shared.non_finite);
         let buffers = Buffers::new(shared.buffer_sync, self.group.clone(), &model);
         let trace = match &self.profile {
             Some(dir) => Some(Arc::new(Trace::new(dir, self.group.rank()).map_err(

@@ -9,6 +9,7 @@ mod compression;
 mod fingerprint;
 mod gather;
 mod learner;
+mod non_finite;
 mod params;
 mod progress;
 mod quiet;
@@ -25,6 +26,7 @@ pub use checkpoint::{CHECKPOINT_FILE, CheckpointConfig, Position, inspect_checkp
 pub use compression::Compression;
 pub use gather::GlobalItem;
 pub use learner::{DdpLearner, DdpTraining};
+pub use non_finite::NonFinite;
 pub use params::{ParamInfo, broadcast_module, check_agreement, flat_parameters, layout};
 pub use progress::{LineRenderer, ProgressOutput};
 pub use quiet::QuietRenderer;

@@ -36,6 +36,7 @@ use burn::tensor::{Device, Tensor, TensorData};
 use super::bucket::{BucketConfig, BucketPlan};
 use super::compression::{Compressed, Compression};
 use super::fingerprint::{FINGERPRINT_LEN, Fingerprint};
+use super::non_finite::NonFinite;
 use super::params::{ParamInfo, layout};
 use super::telemetry::StepStats;
 use super::telemetry::trace::{COMMUNICATION, COMPUTE, Span, Trace};
@@ -55,6 +56,8 @@ pub struct GradientReducer {
     check: bool,
     /// The format buckets travel in.
     compression: Compression,
+    /// What a non-finite gradient on some rank comes to.
+    non_finite: NonFinite,
 }
 
 /// Takes every trainable parameter's gradient out of `grads`, flattened, in visit order.
@@ -121,6 +124,7 @@ impl GradientReducer {
             steps: AtomicU64::new(0),
             check: true,
             compression: Compression::None,
+            non_finite: NonFinite::default(),
         })
     }
 
@@ -138,13 +142,31 @@ impl GradientReducer {
         self
     }
 
+    /// What a NaN or an infinity in some rank's gradients comes to (default
+    /// [`NonFinite::Stop`]; every rank must choose the same).
+    pub fn non_finite(mut self, non_finite: NonFinite) -> Self {
+        self.non_finite = non_finite;
+        self
+    }
+
+    /// Values of bucket `b`'s tail: presence flags, then the fingerprint, then one non-finite
+    /// slot per rank.
+    fn tail_len(&self, b: usize) -> usize {
+        let fingerprint = if self.check { FINGERPRINT_LEN } else { 0 };
+        let slots = if self.non_finite.checks() {
+            self.group.world_size()
+        } else {
+            0
+        };
+        self.plan.buckets[b].params.len() + fingerprint + slots
+    }
+
     /// Bytes one reduction sends into the all-reduces (each rank's buffers: gradients, presence
     /// flags and fingerprints), before the transport's own overhead.
     pub fn bytes_per_step(&self) -> usize {
-        let fingerprint = if self.check { FINGERPRINT_LEN } else { 0 };
         let per_value = self.compression.bytes_per_value();
-        (self.plan.buckets.iter())
-            .map(|b| b.len * per_value + (b.params.len() + fingerprint) * 4)
+        (self.plan.buckets.iter().enumerate())
+            .map(|(i, b)| b.len * per_value + self.tail_len(i) * 4)
             .sum()
     }
 
@@ -217,7 +239,7 @@ impl GradientReducer {
         let mut first_sent = None;
         for b in 0..n {
             let packing = Instant::now();
-            let (mut parts, tail) = self.pack(b, at, &mut flat, &device);
+            let (mut parts, tail) = self.pack(b, at, &mut flat, &device)?;
             if compressed {
                 tails.extend(tail);
             } else {
@@ -291,16 +313,16 @@ impl GradientReducer {
     }
 
     /// Bucket `b`'s gradients on the device (zeros where missing), in plan order, and its tail:
-    /// one presence flag per parameter, then the fingerprint.
+    /// one presence flag per parameter, the fingerprint, this rank's non-finite slots.
     fn pack(
         &self,
         b: usize,
         at: (usize, usize),
         flat: &mut [Option<Tensor<1>>],
         device: &Device,
-    ) -> (Vec<Tensor<1>>, Vec<f32>) {
+    ) -> Result<(Vec<Tensor<1>>, Vec<f32>)> {
         let bucket = &self.plan.buckets[b];
-        let mut tail = Vec::with_capacity(bucket.params.len() + FINGERPRINT_LEN);
+        let mut tail = Vec::with_capacity(self.tail_len(b));
         let parts: Vec<Tensor<1>> = bucket
             .params
             .iter()
@@ -318,21 +340,19 @@ impl GradientReducer {
         if self.check {
             tail.extend(self.fingerprint(b, at).values());
         }
-        (parts, tail)
+        if self.non_finite.checks() {
+            let (rank, world) = (self.group.rank(), self.group.world_size());
+            tail.extend(NonFinite::slots(&parts, rank, world)?);
+        }
+        Ok((parts, tail))
     }
 
     /// Uncompressed buckets: their averaged gradients, and every bucket's tail read in one
     /// device-to-host copy.
     fn split_tails(&self, summed: Vec<Tensor<1>>) -> Result<(Vec<Tensor<1>>, Vec<f32>)> {
         let world = self.group.world_size();
-        let fingerprint = if self.check { FINGERPRINT_LEN } else { 0 };
-        let tails: Vec<Tensor<1>> = summed
-            .iter()
-            .zip(&self.plan.buckets)
-            .map(|(t, bucket)| {
-                t.clone()
-                    .narrow(0, bucket.len, bucket.params.len() + fingerprint)
-            })
+        let tails: Vec<Tensor<1>> = (summed.iter().zip(&self.plan.buckets).enumerate())
+            .map(|(b, (t, bucket))| t.clone().narrow(0, bucket.len, self.tail_len(b)))
             .collect();
         let tails = host_f32(Tensor::cat(tails, 0))?;
         let grads = (summed.into_iter().zip(&self.plan.buckets))
@@ -341,8 +361,9 @@ impl GradientReducer {
         Ok((grads, tails))
     }
 
-    /// Checks the fingerprints in the summed `tails` and hands out the averaged gradients
-    /// (`grads`, one tensor per bucket) some rank produced.
+    /// Checks the fingerprints and the non-finite slots in the summed `tails` and hands out the
+    /// averaged gradients (`grads`, one tensor per bucket) some rank produced: none when the
+    /// step is skipped for non-finite gradients.
     fn unpack(
         &self,
         at: (usize, usize),
@@ -352,35 +373,52 @@ impl GradientReducer {
         let world = self.group.world_size();
         let fingerprint = if self.check { FINGERPRINT_LEN } else { 0 };
         let mut out = vec![None; self.params.len()];
+        let mut culprits = Vec::new();
         let mut offset = 0;
         for (b, (grads, bucket)) in grads.into_iter().zip(&self.plan.buckets).enumerate() {
             let n = bucket.params.len();
-            let tail = &tails[offset..offset + n + fingerprint];
-            offset += n + fingerprint;
+            let tail = &tails[offset..offset + self.tail_len(b)];
+            offset += self.tail_len(b);
             if self.check
-                && let Err(reason) = self.fingerprint(b, at).check(&tail[n..], world)
+                && let Err(reason) = self
+                    .fingerprint(b, at)
+                    .check(&tail[n..n + fingerprint], world)
             {
-                let cause = self.group.abort(&reason);
-                return Err(DdpError::Collective {
-                    rank: self.group.rank(),
-                    op: format!(
-                        "gradient reduction of epoch {} step {} (bucket {} of {})",
-                        at.0,
-                        at.1,
-                        b + 1,
-                        self.plan.buckets.len()
-                    ),
-                    cause,
-                    ranks: self.group.status().report(),
-                });
+                return Err(self.desync(at, b, reason));
             }
+            culprits.extend(NonFinite::marked(&tail[n + fingerprint..]));
             for (k, (&p, &offset)) in bucket.params.iter().zip(&bucket.offsets).enumerate() {
                 if tail[k] > 0.0 {
                     out[p] = Some(grads.clone().narrow(0, offset, self.params[p].numel()));
                 }
             }
         }
+        if !culprits.is_empty() {
+            culprits.sort_unstable();
+            culprits.dedup();
+            if let Some(e) = self.non_finite.decide(self.group.rank(), &culprits, at) {
+                return Err(e);
+            }
+            return Ok(vec![None; self.params.len()]);
+        }
         Ok(out)
+    }
+
+    /// Stops the group for a desync found in bucket `b` at `at`: the error every rank reports.
+    fn desync(&self, at: (usize, usize), b: usize, reason: impl std::fmt::Display) -> DdpError {
+        let cause = self.group.abort(&reason);
+        DdpError::Collective {
+            rank: self.group.rank(),
+            op: format!(
+                "gradient reduction of epoch {} step {} (bucket {} of {})",
+                at.0,
+                at.1,
+                b + 1,
+                self.plan.buckets.len()
+            ),
+            cause,
+            ranks: self.group.status().report(),
+        }
     }
 }
 

@@ -5,6 +5,7 @@
 
 use super::buffers::BufferSync;
 use super::compression::Compression;
+use super::non_finite::NonFinite;
 
 /// `DdpLearner`'s settings that every rank must share.
 #[derive(Debug, Clone)]
@@ -19,6 +20,8 @@ pub(crate) struct SharedSettings {
     pub uneven: bool,
     /// The format gradient buckets travel in.
     pub compression: Compression,
+    /// What a non-finite gradient comes to.
+    pub non_finite: NonFinite,
     /// The user's own settings, by name.
     pub user: Vec<(String, String)>,
 }
@@ -31,6 +34,7 @@ impl Default for SharedSettings {
             buffer_sync: BufferSync::default(),
             uneven: false,
             compression: Compression::default(),
+            non_finite: NonFinite::default(),
             user: Vec::new(),
         }
     }
@@ -46,6 +50,7 @@ impl SharedSettings {
             buffer_sync,
             uneven,
             compression,
+            non_finite,
             user,
         } = self;
         let learner = [
@@ -54,6 +59,7 @@ impl SharedSettings {
             ("buffer_sync", buffer_sync.to_string()),
             ("uneven_inputs", uneven.to_string()),
             ("compression", compression.to_string()),
+            ("non_finite", non_finite.to_string()),
         ];
         let mut all = user.clone();
         all.extend(learner.map(|(name, value)| (name.to_string(), value)));
@@ -80,7 +86,8 @@ mod tests {
                 "desync_check",
                 "buffer_sync",
                 "uneven_inputs",
-                "compression"
+                "compression",
+                "non_finite"
             ]
         );
         assert_eq!(entries[5].1, Compression::Bf16.to_string());

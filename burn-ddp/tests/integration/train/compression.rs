@@ -17,7 +17,7 @@ use super::{assert_identical, small_buckets};
 use crate::common::{max_relative_error, options, run_world};
 
 /// Every gradient in `grads`, flattened in the model's visit order.
-fn flat_grads(model: &Net, grads: &GradientsParams) -> Vec<f32> {
+pub(crate) fn flat_grads(model: &Net, grads: &GradientsParams) -> Vec<f32> {
     struct Collect<'a>(&'a GradientsParams, Vec<f32>);
     impl ModuleVisitor for Collect<'_> {
         fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {

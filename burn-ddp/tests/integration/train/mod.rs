@@ -16,7 +16,7 @@
 
 mod buffers;
 mod checkpoints;
-mod compression;
+pub(crate) mod compression;
 mod disagreement;
 pub(crate) mod equivalence;
 pub(crate) mod evaluation;
@@ -24,6 +24,7 @@ mod job;
 mod join;
 pub(crate) mod lockstep;
 mod model;
+mod non_finite;
 mod sharding;
 mod telemetry;
 

@@ -47,6 +47,17 @@ pub(crate) struct Batch {
     use_extra: bool,
 }
 
+impl Batch {
+    /// The batch with every feature multiplied by `factor` (NaN or infinity: gradients that are
+    /// not finite).
+    pub(crate) fn scaled(self, factor: f32) -> Self {
+        Batch {
+            x: self.x.mul_scalar(factor),
+            ..self
+        }
+    }
+}
+
 #[derive(Clone)]
 pub(crate) struct ToBatch;
 
