@@ -132,6 +132,7 @@ pub fn free_port(host: &str) -> Result<u16> {
 /// are killed and the error names the rank that failed first and how. With
 /// [`LaunchConfig::max_restarts`], a failed job is started again (all ranks) that many times.
 pub fn launch(cfg: &LaunchConfig) -> Result<()> {
+    crate::limits::raise_open_files();
     if cfg.nproc_per_node == 0 || cfg.nnodes == 0 || cfg.node_rank >= cfg.nnodes {
         return Err(DdpError::InvalidConfig(format!(
             "nproc_per_node={} nnodes={} node_rank={}: need at least one process and node, and \

@@ -66,6 +66,7 @@ mod error;
 pub mod failure;
 mod group;
 pub mod launch;
+mod limits;
 mod liveness;
 #[cfg(feature = "train")]
 pub mod nn;

@@ -35,9 +35,11 @@ impl Writer {
         self.buf.extend_from_slice(&v.to_le_bytes());
         self
     }
-    /// A `u32` length followed by the bytes.
+    /// A `u32` length followed by the bytes. A field of 4 GiB or more cannot be told (every
+    /// frame is far smaller): its length is written as `u32::MAX`, which no reader accepts for
+    /// the bytes that follow, so it is refused, never read as another length.
     pub(crate) fn bytes(&mut self, v: &[u8]) -> &mut Self {
-        self.u32(v.len() as u32);
+        self.u32(u32::try_from(v.len()).unwrap_or(u32::MAX));
         self.buf.extend_from_slice(v);
         self
     }
@@ -161,10 +163,14 @@ pub(crate) enum WireError {
     Decode(#[from] DecodeError),
 }
 
-/// Writes one frame (length prefix and body).
+/// Writes one frame (length prefix and body); a body of 4 GiB or more is refused.
 pub(crate) fn write_frame(w: &mut impl Write, body: &[u8]) -> io::Result<()> {
+    let len = u32::try_from(body.len()).map_err(|_| {
+        let what = format!("a frame of {} bytes cannot be sent", body.len());
+        io::Error::new(io::ErrorKind::InvalidInput, what)
+    })?;
     let mut out = Vec::with_capacity(4 + body.len());
-    out.extend_from_slice(&(body.len() as u32).to_le_bytes());
+    out.extend_from_slice(&len.to_le_bytes());
     out.extend_from_slice(body);
     w.write_all(&out)?;
     w.flush()

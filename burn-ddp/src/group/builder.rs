@@ -184,6 +184,7 @@ impl ProcessGroupBuilder {
     /// Forms the group: blocks until every rank has joined or the rendezvous timeout passes.
     pub fn build(self) -> Result<ProcessGroup> {
         let (rank, world_size) = (self.rank, self.world_size);
+        crate::limits::raise_open_files();
         let (local_rank, local_world_size) = self.check()?;
         let deadline = Instant::now() + self.options.rendezvous_timeout;
         let (server, store_addr) = self.serve_store()?;

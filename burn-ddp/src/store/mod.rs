@@ -11,6 +11,7 @@
 //! keep yours out of that prefix.
 
 mod c10d;
+mod entries;
 pub(crate) mod keys;
 mod native;
 mod protocol;
@@ -203,9 +204,22 @@ impl Store {
         format!("{}{key}", self.namespace)
     }
 
-    /// Stores `value` under `key`.
+    /// Stores `value` under `key`. A key and value together above the store's frame limit
+    /// (64 MiB) are refused here, before anything is sent.
     pub fn set(&self, key: &str, value: &[u8]) -> Result<()> {
         let key = self.key(key);
+        // The request frame's own fields (code, lengths) take a few bytes more.
+        if key.len() + value.len() + 16 > protocol::MAX_FRAME_LEN {
+            return Err(DdpError::Store {
+                addr: self.addr.clone(),
+                reason: format!(
+                    "{key:?} with a value of {} bytes exceeds the store's limit of {} bytes per \
+                     message",
+                    value.len(),
+                    protocol::MAX_FRAME_LEN
+                ),
+            });
+        }
         match &self.client {
             Client::BurnDdp(c) => c.set(&key, value),
             Client::C10d(c) => c.set(&key, value),

@@ -16,6 +16,9 @@ pub(crate) const HELLO: &[u8] = b"burn-ddp store v3";
 pub(crate) const MAX_FRAME_LEN: usize = 64 << 20;
 /// Longest key accepted.
 pub(crate) const MAX_KEY_LEN: usize = 4096;
+/// Most keys one wait may name (a job waits for one key per rank at a time): a wait's keys
+/// are scanned on every write while it waits, under the store's lock.
+pub(crate) const MAX_WAIT_KEYS: usize = 1 << 16;
 
 /// One request to the store.
 #[derive(Debug, Clone, PartialEq)]
@@ -128,6 +131,10 @@ impl Request {
             },
             code::WAIT => {
                 let n = r.u32()? as usize;
+                if n > MAX_WAIT_KEYS {
+                    let reason = format!("a wait for {n} keys exceeds {MAX_WAIT_KEYS}");
+                    return Err(DecodeError::Invalid(reason));
+                }
                 // Each key takes at least 4 bytes, so `n` is bounded by the frame size.
                 let mut keys = Vec::with_capacity(n.min(body.len() / 4));
                 for _ in 0..n {
@@ -199,6 +206,20 @@ impl Response {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_wait_for_too_many_keys_is_refused() {
+        let wait = |n: usize| Request::Wait {
+            keys: (0..n).map(|i| i.to_string()).collect(),
+            timeout: Duration::from_secs(1),
+        };
+        assert_eq!(
+            Request::decode(&wait(MAX_WAIT_KEYS).encode()),
+            Ok(wait(MAX_WAIT_KEYS))
+        );
+        let refused = Request::decode(&wait(MAX_WAIT_KEYS + 1).encode()).unwrap_err();
+        assert!(refused.to_string().contains("exceeds"), "{refused}");
+    }
 
     #[test]
     fn requests_round_trip() {

@@ -18,6 +18,7 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
+use super::entries::Entries;
 use super::protocol::{HELLO, MAX_FRAME_LEN, Request, Response};
 use crate::error::{DdpError, Result};
 use crate::secret::handshake::{self, Side};
@@ -45,7 +46,7 @@ pub struct StoreServer {
 }
 
 struct Shared {
-    map: Mutex<HashMap<String, Vec<u8>>>,
+    map: Mutex<Entries>,
     changed: Condvar,
     shutdown: AtomicBool,
     conns: Mutex<Conns>,
@@ -54,24 +55,22 @@ struct Shared {
     flooded: AtomicBool,
 }
 
-/// The open connections (a clone of each, to close it from outside its thread) and which of
-/// them are not yet admitted, oldest first.
+/// The open connections (each shared with its thread, to close it from outside: one file
+/// descriptor per connection) and which of them are not yet admitted, oldest first.
 #[derive(Default)]
 struct Conns {
     next: u64,
-    open: HashMap<u64, TcpStream>,
+    open: HashMap<u64, Arc<TcpStream>>,
     pending: VecDeque<u64>,
 }
 
 impl Conns {
     /// Registers a new connection as pending; closes the oldest pending ones beyond the bound
     /// and returns how many it closed.
-    fn add(&mut self, stream: &TcpStream) -> (u64, usize) {
+    fn add(&mut self, stream: &Arc<TcpStream>) -> (u64, usize) {
         let id = self.next;
         self.next += 1;
-        if let Ok(clone) = stream.try_clone() {
-            self.open.insert(id, clone);
-        }
+        self.open.insert(id, stream.clone());
         self.pending.push_back(id);
         let mut evicted = 0;
         while self.pending.len() > MAX_PENDING {
@@ -103,7 +102,7 @@ impl Shared {
         crate::sync::lock(&self.conns)
     }
 
-    fn map(&self) -> MutexGuard<'_, HashMap<String, Vec<u8>>> {
+    fn map(&self) -> MutexGuard<'_, Entries> {
         // A handler thread that panicked cannot leave the map half-written (every update is a
         // single insert), so a poisoned lock is still usable.
         crate::sync::lock(&self.map)
@@ -113,8 +112,8 @@ impl Shared {
     fn wait_until(
         &self,
         timeout: Duration,
-        mut ready: impl FnMut(&HashMap<String, Vec<u8>>) -> bool,
-    ) -> (MutexGuard<'_, HashMap<String, Vec<u8>>>, bool) {
+        mut ready: impl FnMut(&Entries) -> bool,
+    ) -> (MutexGuard<'_, Entries>, bool) {
         let deadline = Instant::now() + timeout;
         let mut map = self.map();
         loop {
@@ -164,7 +163,7 @@ impl StoreServer {
             .local_addr()
             .map_err(|e| DdpError::io("reading the store's address", e))?;
         let shared = Arc::new(Shared {
-            map: Mutex::new(HashMap::new()),
+            map: Mutex::new(Entries::default()),
             changed: Condvar::new(),
             shutdown: AtomicBool::new(false),
             conns: Mutex::new(Conns::default()),
@@ -216,7 +215,11 @@ impl Drop for StoreServer {
     }
 }
 
+/// Longest pause of the accept loop after failed accepts (out of file descriptors, say).
+const MAX_ACCEPT_BACKOFF: Duration = Duration::from_millis(100);
+
 fn accept_loop(listener: TcpListener, shared: Arc<Shared>) {
+    let mut backoff = Duration::ZERO;
     for conn in listener.incoming() {
         if shared.shutdown.load(Ordering::Acquire) {
             return;
@@ -224,10 +227,18 @@ fn accept_loop(listener: TcpListener, shared: Arc<Shared>) {
         let stream = match conn {
             Ok(s) => s,
             Err(e) => {
-                log::warn!("store: accept failed: {e}");
+                // Retrying at once would spin a core while the cause (no file descriptor left,
+                // no memory) lasts: back off, 1 ms doubling to 100 ms; warn once per spell.
+                if backoff.is_zero() {
+                    log::warn!("store: accept failed: {e}; retrying with a growing pause");
+                }
+                backoff = (backoff * 2).clamp(Duration::from_millis(1), MAX_ACCEPT_BACKOFF);
+                std::thread::sleep(backoff);
                 continue;
             }
         };
+        backoff = Duration::ZERO;
+        let stream = Arc::new(stream);
         let (id, evicted) = shared.conns().add(&stream);
         if evicted > 0 && !shared.flooded.swap(true, Ordering::Relaxed) {
             log::warn!(
@@ -353,7 +364,9 @@ fn serve_client(stream: &TcpStream, shared: &Shared) -> std::result::Result<(), 
 fn handle(req: Request, shared: &Shared) -> Response {
     match req {
         Request::Set { key, value } => {
-            shared.map().insert(key, value);
+            if let Err(refused) = shared.map().insert(key, value) {
+                return Response::Error(refused);
+            }
             shared.changed.notify_all();
             Response::Ok
         }
@@ -379,7 +392,9 @@ fn handle(req: Request, shared: &Shared) -> Response {
                 },
             };
             let sum = current.saturating_add(delta);
-            map.insert(key, sum.to_string().into_bytes());
+            if let Err(refused) = map.insert(key, sum.to_string().into_bytes()) {
+                return Response::Error(refused);
+            }
             drop(map);
             shared.changed.notify_all();
             Response::Int(sum)
@@ -392,7 +407,9 @@ fn handle(req: Request, shared: &Shared) -> Response {
             let mut map = shared.map();
             let current = map.get(&key).cloned().unwrap_or_default();
             if current == expected {
-                map.insert(key, desired.clone());
+                if let Err(refused) = map.insert(key, desired.clone()) {
+                    return Response::Error(refused);
+                }
                 drop(map);
                 shared.changed.notify_all();
                 Response::Value(desired)

@@ -359,7 +359,15 @@ pub(crate) fn load(group: &ProcessGroup, config: &CheckpointConfig) -> Result<Op
     let raw = if group.rank() == 0 {
         group.broadcast(raw, 0).wait()?
     } else {
-        group.broadcast(vec![0u8; len], 0).wait()?
+        // The length is rank 0's word: an absurd one is an error, not an abort of the process.
+        let mut buffer = Vec::new();
+        buffer.try_reserve_exact(len).map_err(|e| {
+            fail(format!(
+                "rank 0 sends {len} bytes, which do not fit here: {e}"
+            ))
+        })?;
+        buffer.resize(len, 0);
+        group.broadcast(buffer, 0).wait()?
     };
     Snapshot::decode(&raw)
         .map(Some)

@@ -267,3 +267,50 @@ fn a_rank_killed_mid_all_reduce_is_named_and_leaves_no_segment() {
     kill_and_expect_named(&mut ranks, victim, timeout);
     assert!(leftovers(port).is_empty());
 }
+
+/// A rank that leaves the instant its collective returns, while another still waits between
+/// reading its step counter and checking its connection (that window made 50 ms wide, see
+/// `testing::widen_leave_window`): nobody fails, for barrier, all-reduce and all-gather, over
+/// shared memory and over TCP (where the goodbye follows the data on the same connection).
+#[test]
+fn ranks_that_leave_right_after_a_collective_fail_no_one() {
+    for transport in [Transport::Shm, Transport::Tcp] {
+        for op in ["barrier", "all_reduce", "all_gather"] {
+            let server = burn_ddp::store::StoreServer::bind("127.0.0.1:0").unwrap();
+            let port = server.local_addr().port();
+            burn_ddp::testing::widen_leave_window(port, Duration::from_millis(50));
+            let outcomes: Vec<Result<(), String>> = std::thread::scope(|s| {
+                let ranks: Vec<_> = (0..3)
+                    .map(|rank| {
+                        s.spawn(move || {
+                            let g = ProcessGroup::builder(rank, 3)
+                                .master_addr("127.0.0.1")
+                                .master_port(port)
+                                .host_store(false)
+                                .options(opts(transport, 20))
+                                .build()
+                                .map_err(|e| e.to_string())?;
+                            // Rank 0 waits first; the others come late, and leave at once.
+                            if rank > 0 {
+                                std::thread::sleep(Duration::from_millis(100));
+                            }
+                            let done = match op {
+                                "barrier" => g.barrier().wait(),
+                                "all_reduce" => g
+                                    .all_reduce(vec![1.0f32; 64], ReduceOp::Sum)
+                                    .wait()
+                                    .map(drop),
+                                _ => g.all_gather(vec![rank as u8; 8]).wait().map(drop),
+                            };
+                            done.map_err(|e| e.to_string())
+                        })
+                    })
+                    .collect();
+                ranks.into_iter().map(|r| r.join().unwrap()).collect()
+            });
+            for (rank, outcome) in outcomes.into_iter().enumerate() {
+                assert_eq!(outcome, Ok(()), "{transport} {op}, rank {rank}");
+            }
+        }
+    }
+}

@@ -78,6 +78,10 @@ pub(crate) struct ShmChannel {
     spin: Duration,
     /// A peer's chunk during the reduction (`u64` to be aligned for every element type).
     scratch: Vec<u64>,
+    /// A pause between reading a peer's counter and checking its connection: zero, but for
+    /// the tests that widen that window (`testing::widen_leave_window`, feature
+    /// `test-support`).
+    leave_window: Duration,
 }
 
 impl ShmChannel {
@@ -104,7 +108,15 @@ impl ShmChannel {
             timeout,
             spin,
             scratch: Vec::new(),
+            leave_window: Duration::ZERO,
         }
+    }
+
+    /// Pauses `pause` between reading a peer's counter and checking its connection in every
+    /// wait (a test's wide window).
+    #[cfg(feature = "test-support")]
+    pub(crate) fn widen_leave_window(&mut self, pause: Duration) {
+        self.leave_window = pause;
     }
 
     /// Reads `rank`'s `field`; operation fields from the bank of this rank's last step.
@@ -172,7 +184,9 @@ impl ShmChannel {
                     ),
                 ));
             }
-            auxes.push(peer_aux);
+            // This rank's own operand is the one it holds, not one read back from the segment
+            // (which another process of the same user could have written).
+            auxes.push(if peer == self.rank { aux } else { peer_aux });
         }
         Ok(auxes)
     }
@@ -202,6 +216,9 @@ impl ShmChannel {
             }
             if last_check.elapsed() >= YIELD_FOR || waited >= self.timeout {
                 last_check = Instant::now();
+                if !self.leave_window.is_zero() {
+                    std::thread::sleep(self.leave_window);
+                }
                 if let Some(detail) = net.gone(self.ranks[peer]) {
                     // Its counter was read before the check: since then it may have ended
                     // this step, returned and left the group. Only a peer that left before

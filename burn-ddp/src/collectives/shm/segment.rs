@@ -85,6 +85,19 @@ impl Layout {
     pub(crate) fn len(&self) -> usize {
         self.result() + self.slot_len()
     }
+
+    /// Total bytes of the segment, `None` when they do not fit a `usize` (an absurd slot size
+    /// or world): checked before any offset of it is computed.
+    pub(crate) fn checked_len(&self) -> Option<usize> {
+        let slot = self.world.checked_mul(self.piece)?;
+        let data = self
+            .world
+            .checked_mul(CONTROL)?
+            .checked_next_multiple_of(PAGE)?;
+        // The ranks' slots and the result area.
+        let slots = self.world.checked_add(1)?.checked_mul(slot)?;
+        data.checked_add(slots)
+    }
 }
 
 /// The segment's name in `shm_open`'s form (`/burn-ddp-<port>-<token>`), unique per job: the
@@ -176,6 +189,10 @@ mod tests {
         assert_eq!(l.slot(0) % PAGE, 0);
         assert_eq!(l.slot(1) - l.slot(0), l.slot_len());
         assert_eq!(l.len(), l.slot(0) + 4 * l.slot_len());
+        assert_eq!(l.checked_len(), Some(l.len()));
+        // Sizes whose segment cannot exist are caught before any offset is computed.
+        assert_eq!(Layout::new(64, usize::MAX / 2).checked_len(), None);
+        assert_eq!(Layout::new(usize::MAX / 64, 1 << 20).checked_len(), None);
     }
 
     #[test]

@@ -124,6 +124,17 @@ pub(crate) fn negotiate(
     let local = hosts[host].iter().position(|&r| r == rank).unwrap_or(0);
     // Every host cuts buffers alike (rank 0's slot size), so pieces match across hosts.
     let layout = Layout::new(hosts[host].len(), asks[0].1);
+    if layout.checked_len().is_none() {
+        let why = format!(
+            "a segment of {} ranks with slots of {} bytes does not fit in memory",
+            layout.world, asks[0].1
+        );
+        if forced {
+            return Err(fail(format!("{TRANSPORT_VAR}=shm, but {why}")));
+        }
+        log::warn!("rank {rank}: shared memory unavailable ({why}), collectives over TCP");
+        return Ok(None);
+    }
     match map_segment(req, store, deadline, (host, local), layout.len())? {
         Ok(map) => {
             let across: Vec<usize> = if hosts.len() > 1 {
@@ -144,8 +155,11 @@ pub(crate) fn negotiate(
                 }
             );
             let timing = (req.timeout, req.spin);
-            let channel =
+            #[cfg_attr(not(feature = "test-support"), allow(unused_mut))]
+            let mut channel =
                 ShmChannel::new(local, hosts[host].clone(), hosts.len(), map, layout, timing);
+            #[cfg(feature = "test-support")]
+            channel.widen_leave_window(crate::testing::leave_window(req.port));
             Ok(Some(ShmSetup { channel, across }))
         }
         Err(why) => {

@@ -6,6 +6,7 @@
 //! connection is used only once both are admitted and the ranks are the expected ones.
 
 use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::sync::mpsc::Sender;
 use std::time::{Duration, Instant};
 
 use crate::error::{DdpError, Result};
@@ -115,6 +116,9 @@ pub(crate) fn connect(
     Ok(peers)
 }
 
+/// A connection that passed admission, with where it came from.
+type Admitted = (TcpStream, SocketAddr, handshake::Verified);
+
 /// One rank's part of connecting the mesh.
 struct Mesh<'a> {
     rank: usize,
@@ -204,64 +208,107 @@ impl Mesh<'_> {
         }
     }
 
-    /// Accepts the higher ranks until each is connected, refusing connections that fail
-    /// admission (they do not stop the group) and stopping on an admitted peer that does not
-    /// fit.
+    /// Accepts the higher ranks until each is connected. Each connection's admission runs on
+    /// a thread of its own, so silent or slow connections (a port scan, a stray) cannot hold
+    /// up the ranks behind them; connections that fail admission are refused without stopping
+    /// the group, an admitted peer that does not fit stops it.
     fn accept_higher(&self, listener: &TcpListener, peers: &mut [Option<TcpStream>]) -> Result<()> {
         let (rank, world) = (self.rank, self.world);
         listener
             .set_nonblocking(true)
             .map_err(|e| DdpError::io("configuring the data-plane listener", e))?;
+        let (done, admitted) = std::sync::mpsc::channel();
+        // A clone of each connection still in admission, to close it once no longer needed.
+        let mut pending: Vec<TcpStream> = Vec::new();
         let mut expected = world - 1 - rank;
-        while expected > 0 {
-            let (stream, from) = match listener.accept() {
-                Ok(s) => s,
-                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
-                    if Instant::now() >= self.deadline {
-                        let missing: Vec<usize> =
-                            (rank + 1..world).filter(|r| peers[*r].is_none()).collect();
-                        return Err(self.fail(format!(
-                            "{} published an address but never connected",
-                            name_ranks(&missing)
-                        )));
+        let outcome = loop {
+            if expected == 0 {
+                break Ok(());
+            }
+            match listener.accept() {
+                Ok((stream, from)) => {
+                    if let Ok(clone) = stream.try_clone() {
+                        pending.push(clone);
                     }
-                    std::thread::sleep(Duration::from_millis(1));
+                    self.start_admission(stream, from, done.clone());
                     continue;
                 }
-                Err(e) => return Err(DdpError::io("accepting a peer", e)),
-            };
-            if let Some(peer) = self.admit(&stream, from, peers)? {
-                peers[peer] = Some(stream);
-                expected -= 1;
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
+                Err(e) => break Err(DdpError::io("accepting a peer", e)),
+            }
+            match admitted.recv_timeout(Duration::from_millis(1)) {
+                Ok((stream, from, verified)) => match self.place(&stream, from, verified, peers) {
+                    Ok(Some(peer)) => {
+                        peers[peer] = Some(stream);
+                        expected -= 1;
+                    }
+                    Ok(None) => {}
+                    Err(e) => break Err(e),
+                },
+                Err(_) if Instant::now() >= self.deadline => {
+                    let missing: Vec<usize> =
+                        (rank + 1..world).filter(|r| peers[*r].is_none()).collect();
+                    break Err(self.fail(format!(
+                        "{} published an address but never connected",
+                        name_ranks(&missing)
+                    )));
+                }
+                Err(_) => {}
+            }
+        };
+        // Connections still in admission are not the job's ranks (or no longer needed).
+        for stream in pending {
+            let admitted_peer = peers.iter().flatten().any(|p| {
+                p.peer_addr().ok() == stream.peer_addr().ok() && stream.peer_addr().is_ok()
+            });
+            if !admitted_peer {
+                let _ = stream.shutdown(std::net::Shutdown::Both);
             }
         }
-        Ok(())
+        outcome
     }
 
-    /// Runs admission on a connection from `from`: the peer it turned out to be, `None` when
-    /// it was refused (not the job's), or the error of an admitted peer that does not fit.
-    fn admit(
+    /// Runs admission on a connection from `from` on a thread of its own (bounded by
+    /// [`ADMISSION_TIMEOUT`]); an admitted connection is sent to `done`, a refused one logged.
+    fn start_admission(&self, stream: TcpStream, from: SocketAddr, done: Sender<Admitted>) {
+        let (rank, mine, secret) = (self.rank, self.mine.clone(), self.secret.cloned());
+        let until = self.deadline.min(Instant::now() + ADMISSION_TIMEOUT);
+        let spawned = std::thread::Builder::new()
+            .name(format!("burn-ddp-admit{rank}"))
+            .spawn(move || {
+                let admission = stream
+                    .set_nonblocking(false)
+                    .map_err(|source| handshake::AdmissionError::Io {
+                        step: "configuring the socket",
+                        source,
+                    })
+                    .and_then(|_| {
+                        handshake::respond(&stream, &side(&mine, secret.as_ref()), until)
+                    });
+                match admission {
+                    Ok(verified) => {
+                        let _ = done.send((stream, from, verified));
+                    }
+                    Err(e) => {
+                        log::warn!("rank {rank}: refused a data-plane connection from {from}: {e}")
+                    }
+                }
+            });
+        if let Err(e) = spawned {
+            log::warn!("rank {rank}: cannot admit a data-plane connection from {from}: {e}");
+        }
+    }
+
+    /// Places an admitted connection: the peer it turned out to be, `None` when its claims do
+    /// not decode (refused), or the error of a peer that does not fit.
+    fn place(
         &self,
         stream: &TcpStream,
         from: SocketAddr,
+        verified: handshake::Verified,
         peers: &[Option<TcpStream>],
     ) -> Result<Option<usize>> {
         let (rank, world) = (self.rank, self.world);
-        let until = self.deadline.min(Instant::now() + ADMISSION_TIMEOUT);
-        let admission = stream
-            .set_nonblocking(false)
-            .map_err(|source| handshake::AdmissionError::Io {
-                step: "configuring the socket",
-                source,
-            })
-            .and_then(|_| handshake::respond(stream, &side(&self.mine, self.secret), until));
-        let verified = match admission {
-            Err(e) => {
-                log::warn!("rank {rank}: refused a data-plane connection from {from}: {e}");
-                return Ok(None);
-            }
-            Ok(v) => v,
-        };
         // Only an admitted peer's claims can stop the group.
         let Some((peer, w)) = parse_claims(&verified.claims) else {
             log::warn!("rank {rank}: refused a data-plane connection from {from}: bad claims");

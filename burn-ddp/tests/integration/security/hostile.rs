@@ -293,3 +293,73 @@ fn an_admitted_client_sending_malformed_frames_meets_named_errors() {
         "allocated the size a frame announced"
     );
 }
+
+#[test]
+fn a_client_that_asks_too_much_of_the_store_is_refused_and_the_store_serves_on() {
+    let server = StoreServer::bind("127.0.0.1:0").unwrap();
+    let addr = server.local_addr().to_string();
+    let hostile = Store::connect(&addr, T).unwrap();
+    let honest = Store::connect(&addr, T).unwrap();
+    // A wait for 100 000 keys (each scanned on every write while it waits) is refused.
+    let keys: Vec<String> = (0..100_000).map(|i| format!("k{i}")).collect();
+    let started = Instant::now();
+    let refused = hostile.wait(&keys, Duration::from_secs(30));
+    assert!(refused.is_err(), "a wait for 100 000 keys was accepted");
+    assert!(
+        started.elapsed() < T,
+        "refused only after {:?}",
+        started.elapsed()
+    );
+    // A value above the frame limit is refused by the client before anything is sent.
+    let big = vec![0u8; 65 << 20];
+    let e = honest.set("big", &big).unwrap_err().to_string();
+    assert!(e.contains("exceeds the store's limit"), "{e}");
+    honest.set("still", b"served").unwrap();
+    assert_eq!(honest.get("still").unwrap(), b"served");
+}
+
+#[test]
+fn silent_connections_do_not_hold_up_the_rendezvous() {
+    let secret = JobSecret::generate().unwrap();
+    let server = StoreServer::bind_with_secret("127.0.0.1:0", Some(secret.clone())).unwrap();
+    let port = server.local_addr().port();
+    let build = |rank: usize| {
+        ProcessGroup::builder(rank, 2)
+            .master_addr("127.0.0.1")
+            .master_port(port)
+            .host_store(false)
+            .secret(secret.clone())
+            .options(options(60))
+            .build()
+    };
+    let store = Store::connect_with_secret(&format!("127.0.0.1:{port}"), T, Some(&secret));
+    let store = store.unwrap();
+    std::thread::scope(|s| {
+        let rank0 = s.spawn(|| build(0));
+        let addr0 = store.get(&burn_ddp::testing::mesh_addr_key(0)).unwrap();
+        // A placeholder for rank 1's address lets rank 0 start accepting before rank 1 runs,
+        // so the silent connections are the first it meets.
+        store
+            .set(&burn_ddp::testing::mesh_addr_key(1), b"127.0.0.1:1")
+            .unwrap();
+        let addr0: std::net::SocketAddr = String::from_utf8_lossy(&addr0).parse().unwrap();
+        // Four connections that never say a word (each may take 10 s before it is refused).
+        let silent: Vec<TcpStream> = (0..4).map(|_| TcpStream::connect(addr0).unwrap()).collect();
+        std::thread::sleep(Duration::from_millis(200));
+        let started = Instant::now();
+        let rank1 = build(1).unwrap();
+        let rank0 = rank0.join().unwrap().unwrap();
+        let took = started.elapsed();
+        assert!(
+            took < Duration::from_secs(5),
+            "the rendezvous took {took:?} behind four silent connections"
+        );
+        let sums: Vec<Vec<f32>> = [&rank0, &rank1]
+            .map(|g| g.all_reduce(vec![1.0f32], ReduceOp::Sum))
+            .into_iter()
+            .map(|w| w.wait().unwrap())
+            .collect();
+        assert_eq!(sums, vec![vec![2.0], vec![2.0]]);
+        drop(silent);
+    });
+}
