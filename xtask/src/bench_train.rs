@@ -11,7 +11,11 @@ use anyhow::Result;
 use clap::Args;
 
 use runner::Runner;
-use runs::{across_hosts_runs, summarise_across_hosts, summarise_this_host, this_host_runs};
+use runner::TRANSFORMER;
+use runs::{
+    across_hosts_runs, summarise_across_hosts, summarise_this_host, summarise_transformer,
+    this_host_runs, transformer_runs,
+};
 
 /// Quickstart step time of DdpLearner at world size 1 against burn's Learner, and samples/s at
 /// world size 2 against 1; with `--hosts`, step time and scaling across hosts of network
@@ -31,8 +35,9 @@ pub struct BenchTrain {
     /// Training samples per epoch [default: the quickstart's]
     #[arg(long, value_name = "N")]
     samples: Option<usize>,
-    /// The quickstart's network (`mlp`, or `mlp-large`: 784-1024-1024-10) [default: mlp;
-    /// with --hosts: mlp-large]
+    /// The network: the quickstart's (`mlp`, or `mlp-large`: 784-1024-1024-10), or
+    /// `transformer` (the `charlm` program's decoder-only transformer on its text) [default:
+    /// mlp; with --hosts: mlp-large]
     #[arg(long, value_name = "KIND")]
     model: Option<String>,
     /// Train across this many hosts made of network namespaces (root; see `cargo xtask
@@ -58,6 +63,8 @@ struct Timing {
     samples: f64,
     /// Bytes each rank sends into the gradient all-reduces per step.
     bytes: f64,
+    /// Milliseconds per step rank 0 waited for gradient communication.
+    exposed_ms: f64,
 }
 
 impl Timing {
@@ -110,8 +117,10 @@ impl TrainRun {
 pub fn bench_train(task: BenchTrain) -> Result<()> {
     let repeats = task.repeats.max(1);
     let runner = Runner::new(&task)?;
+    let transformer = task.model.as_deref() == Some(TRANSFORMER);
     let runs = match task.hosts {
         Some(hosts) => across_hosts_runs(hosts, task.nproc_per_host, task.link_rate.as_deref()),
+        None if transformer => transformer_runs(),
         None => this_host_runs(),
     };
     let mut timings: Vec<Vec<Timing>> = runs.iter().map(|_| Vec::new()).collect();
@@ -125,6 +134,7 @@ pub fn bench_train(task: BenchTrain) -> Result<()> {
     print_table(&task, &model, repeats, &runs, &timings);
     match task.hosts {
         Some(hosts) => summarise_across_hosts(&timings, hosts * task.nproc_per_host),
+        None if transformer => summarise_transformer(&timings),
         None => summarise_this_host(&timings),
     }
     Ok(())
@@ -140,21 +150,23 @@ fn print_table(
 ) {
     let (epochs, batch) = (task.epochs, task.batch_size);
     println!(
-        "bench-train: quickstart --model {model}, {epochs} epochs, batch {batch} per rank, median \
-         of {repeats}"
+        "bench-train: --model {model}, {epochs} epochs, batch {batch} per rank, median of \
+         {repeats}"
     );
     println!(
-        "{:<50} {:>10} {:>12} {:>12}",
-        "run", "ms/step", "samples/s", "bytes/step"
+        "{:<50} {:>10} {:>12} {:>12} {:>11}",
+        "run", "ms/step", "samples/s", "bytes/step", "exposed ms"
     );
     for (r, t) in runs.iter().zip(timings) {
         let bytes = t.first().map_or(0.0, |t| t.bytes);
+        let exposed = median(t.iter().map(|t| t.exposed_ms).collect());
         println!(
-            "{:<50} {:>10.3} {:>12.0} {:>12.0}",
+            "{:<50} {:>10.3} {:>12.0} {:>12.0} {:>11.3}",
             r.label,
             step(t),
             rate(t),
-            bytes
+            bytes,
+            exposed
         );
     }
 }

@@ -287,6 +287,7 @@ fn every_program_lists_its_flags_and_suggests_the_right_one() {
     help(program("digits"))
         .succeeds_printing(&[&quickstart_flags[..], &["[default: 30]"]].concat());
     help(program("hello_ddp")).succeeds_printing(&["Usage: hello_ddp"]);
+    help(program("charlm")).succeeds_printing(&["--seq-len", "--dropout", "--warmup", "--plain"]);
     help(program("bench_collectives")).succeeds_printing(&[
         "--sizes",
         "--chunk",
@@ -342,6 +343,9 @@ fn every_program_lists_its_flags_and_suggests_the_right_one() {
     let mut cmd = program("digits");
     cmd.args(["--batchsize", "2"]);
     run(cmd).refuses_with(&tip("--batch-size"));
+    let mut cmd = program("charlm");
+    cmd.args(["--dropout", "1.5"]);
+    run(cmd).refuses_with("a probability in [0, 1)");
     let mut cmd = program("burn-ddp-run");
     cmd.args(["--nprc", "2", "./train"]);
     run(cmd).refuses_with(&tip("--nproc"));
@@ -399,6 +403,22 @@ fn every_example_runs_under_the_launcher() {
     let ran = run(launched("digits", &args));
     ran.succeeds_printing(&["2 rank(s), 1 epochs, batch 32 per rank: validation accuracy"]);
     assert_eq!(ran.digests().len(), 2, "{}", ran.describe());
+
+    // The transformer, a few steps: the replicas end identical.
+    let args = [
+        "--epochs",
+        "1",
+        "--quiet",
+        "--max-sequences",
+        "32",
+        "--batch-size",
+        "8",
+    ];
+    let ran = run(launched("charlm", &args.map(String::from)));
+    ran.succeeds_printing(&["2 rank(s), 1 epochs, batch 8 per rank"]);
+    let digests = ran.digests();
+    assert_eq!(digests.len(), 2, "{}", ran.describe());
+    assert_eq!(digests[0], digests[1], "{}", ran.describe());
 
     let args = ["--sizes", "4K,64K"].map(String::from);
     let ran = run(launched("bench_collectives", &args));

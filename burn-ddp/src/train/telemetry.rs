@@ -153,6 +153,15 @@ impl Telemetry {
         recent.push_back((iteration, stats));
     }
 
+    /// The job's figures of the last steps recorded (up to 256, oldest first; on rank 0 only,
+    /// the rank that gathers them): for a summary after training.
+    pub fn steps(&self) -> Vec<JobStats> {
+        crate::sync::lock(&self.recent)
+            .iter()
+            .map(|(_, s)| *s)
+            .collect()
+    }
+
     /// The figures recorded last for `iteration`.
     fn lookup(&self, iteration: Option<usize>) -> Option<JobStats> {
         let iteration = iteration?;

@@ -10,6 +10,7 @@
 
 use std::sync::Arc;
 
+pub mod charlm;
 mod config;
 mod data;
 mod model;
@@ -20,7 +21,7 @@ pub use data::{
     CLASSES, DIGIT_PIXELS, Data, Digits, FEATURES, MyBatch, MyBatcher, MyDataset, MyItem,
 };
 pub use model::{MyModel, accuracy};
-pub use training::{Report, device, run};
+pub use training::{Report, device, mean_exposed_ms, run};
 
 use anyhow::{Context, Result};
 

@@ -35,6 +35,16 @@ pub struct Report {
     pub samples: usize,
     /// Bytes each rank sends into the gradient all-reduces per optimizer step (0 alone).
     pub bytes_per_step: usize,
+    /// Mean milliseconds per step rank 0 waited for gradient communication (0 alone).
+    pub exposed_ms: f64,
+}
+
+/// Mean milliseconds per step the job's rank 0 waited for communication, from a learner's
+/// telemetry (0 without figures: alone, or burn's own Learner).
+pub fn mean_exposed_ms(telemetry: &burn_ddp::train::Telemetry) -> f64 {
+    let steps = telemetry.steps();
+    let total: f64 = steps.iter().map(|s| s.rank0.exposed).sum();
+    total * 1e3 / steps.len().max(1) as f64
 }
 
 impl Report {
@@ -67,11 +77,13 @@ impl Report {
         }
         if let Some(path) = &cfg.report {
             let line = format!(
-                "steps={} seconds={} samples={} bytes_per_step={} accuracy={} digest={:016x}\n",
+                "steps={} seconds={} samples={} bytes_per_step={} exposed_ms={} accuracy={} \
+                 digest={:016x}\n",
                 self.steps,
                 self.train_seconds,
                 self.samples,
                 self.bytes_per_step,
+                self.exposed_ms,
                 self.valid_accuracy,
                 self.digest()
             );
@@ -130,6 +142,7 @@ pub fn run(group: Arc<ProcessGroup>, cfg: &Config) -> Result<Report> {
     let (training, progress) = supervised_training(cfg, loaders.train, loaders.valid);
     let bytes_per_step = planned_bytes_per_step(&group, cfg, &model, &device)?;
     let start = std::time::Instant::now();
+    let mut exposed_ms = 0.0;
     let result = if cfg.plain {
         if group.world_size() != 1 {
             bail!("--plain trains with burn's own Learner, on one process only");
@@ -137,7 +150,10 @@ pub fn run(group: Arc<ProcessGroup>, cfg: &Config) -> Result<Report> {
         training.launch(Learner::new(model, SgdConfig::new().init(), cfg.lr))
     } else {
         let learner = ddp_learner(group.clone(), cfg, model, &loaders.samplers, progress);
-        train_ddp(training, learner, cfg)?
+        let figures = learner.telemetry().clone();
+        let result = train_ddp(training, learner, cfg)?;
+        exposed_ms = mean_exposed_ms(&figures);
+        result
     };
     let train_seconds = start.elapsed().as_secs_f64();
     if let Some(e) = &result.error {
@@ -154,6 +170,7 @@ pub fn run(group: Arc<ProcessGroup>, cfg: &Config) -> Result<Report> {
         steps,
         samples: steps * cfg.batch_size * group.world_size(),
         bytes_per_step,
+        exposed_ms,
     })
 }
 

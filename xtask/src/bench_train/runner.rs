@@ -14,9 +14,9 @@ use crate::build::build_cpu_program;
 /// scratch directory.
 pub(super) struct Runner<'a> {
     task: &'a BenchTrain,
-    /// The quickstart's `--model`.
+    /// The quickstart's `--model`, or `transformer` (the `charlm` program).
     model: String,
-    /// The quickstart.
+    /// The quickstart, or `charlm`.
     exe: PathBuf,
     /// With --hosts: the cluster and its launcher, made once for every run.
     cluster: Option<(Cluster, PathBuf)>,
@@ -33,7 +33,10 @@ impl<'a> Runner<'a> {
             "mlp"
         };
         let model = task.model.clone().unwrap_or(default_model.into());
-        let exe = build_cpu_program("quickstart", !task.debug)?;
+        if model == TRANSFORMER && task.samples.is_some() {
+            anyhow::bail!("--samples is the quickstart's: the transformer trains on its text");
+        }
+        let exe = build_cpu_program(program_of(&model), !task.debug)?;
         let cluster = match task.hosts {
             Some(hosts) => {
                 let launcher = build_cpu_program("burn-ddp-run", !task.debug)?;
@@ -56,7 +59,7 @@ impl<'a> Runner<'a> {
         })
     }
 
-    /// The quickstart's flags for run `r`, writing its report to `report`.
+    /// The program's flags for run `r`, writing its report to `report`.
     fn args(&self, r: &TrainRun, report: &Path) -> Vec<String> {
         let mut args: Vec<String> = vec![
             "--quiet".into(),
@@ -66,11 +69,12 @@ impl<'a> Runner<'a> {
             self.task.batch_size.to_string(),
             "--report".into(),
             report.display().to_string(),
-            "--artifacts".into(),
-            self.scratch.join("artifacts").display().to_string(),
-            "--model".into(),
-            self.model.clone(),
         ];
+        if self.model != TRANSFORMER {
+            let artifacts = self.scratch.join("artifacts").display().to_string();
+            args.extend(["--artifacts".into(), artifacts, "--model".into()]);
+            args.push(self.model.clone());
+        }
         if let Some(n) = self.task.samples {
             args.extend(["--samples".into(), n.to_string()]);
         }
@@ -112,6 +116,18 @@ impl<'a> Runner<'a> {
     }
 }
 
+/// The `--model` that runs the `charlm` program's decoder-only transformer.
+pub(super) const TRANSFORMER: &str = "transformer";
+
+/// The program that trains `model`.
+fn program_of(model: &str) -> &'static str {
+    if model == TRANSFORMER {
+        "charlm"
+    } else {
+        "quickstart"
+    }
+}
+
 /// Reads the quickstart's `--report` file of the run labelled `label`.
 fn read_timing(report: &Path, label: &str) -> Result<Timing> {
     let text = std::fs::read_to_string(report)
@@ -128,5 +144,6 @@ fn read_timing(report: &Path, label: &str) -> Result<Timing> {
         steps: field("steps")?,
         samples: field("samples")?,
         bytes: field("bytes_per_step")?,
+        exposed_ms: field("exposed_ms")?,
     })
 }

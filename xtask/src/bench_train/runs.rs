@@ -1,7 +1,7 @@
 //! What `bench-train` runs and what it concludes: the kinds of quickstart run on this host and
 //! across hosts, and the summaries printed under the table.
 
-use super::{Timing, TrainRun, rate, step};
+use super::{Timing, TrainRun, median, rate, step};
 
 const BF16: &[&str] = &["--compression", "bf16"];
 const FP16: &[&str] = &["--compression", "fp16"];
@@ -22,6 +22,42 @@ pub(super) fn this_host_runs() -> Vec<TrainRun> {
         TrainRun::here(format!("{w2}, shared memory"), 2, &[]).transport("shm"),
         TrainRun::here(format!("{w2}, shm, bf16"), 2, BF16).transport("shm"),
     ]
+}
+
+/// The runs of `bench-train --model transformer`: burn's Learner and DdpLearner at world 1,
+/// DdpLearner at world 2 over TCP and over shared memory.
+pub(super) fn transformer_runs() -> Vec<TrainRun> {
+    vec![
+        TrainRun {
+            plain: true,
+            ..TrainRun::here("burn Learner, 1 process", 1, &[])
+        },
+        TrainRun::here("DdpLearner, world 1", 1, &[]),
+        TrainRun::here("DdpLearner, world 2 (tcp)", 2, &[]),
+        TrainRun::here("DdpLearner, world 2, shared memory", 2, &[]).transport("shm"),
+    ]
+}
+
+/// The summary of [`transformer_runs`].
+pub(super) fn summarise_transformer(timings: &[Vec<Timing>]) {
+    let [plain, ddp1, tcp, shm] = timings else {
+        unreachable!("one timing list per run")
+    };
+    println!(
+        "overhead of DdpLearner at world 1: {:+.1}% (ratio {:.3})",
+        (step(ddp1) / step(plain) - 1.0) * 100.0,
+        step(ddp1) / step(plain)
+    );
+    for (name, t) in [("tcp", tcp), ("shared memory", shm)] {
+        let exposed = median(t.iter().map(|t| t.exposed_ms).collect());
+        println!(
+            "world 2 ({name}): {:.3} ms per step ({:.2}x world 1's), {exposed:.3} ms of it waiting \
+             for communication, {:.0} bytes sent per step",
+            step(t),
+            step(t) / step(ddp1),
+            t[0].bytes
+        );
+    }
 }
 
 pub(super) fn summarise_this_host(timings: &[Vec<Timing>]) {

@@ -1,0 +1,114 @@
+//! `charlm`: a small decoder-only transformer trained with `DdpLearner` as a character-level
+//! language model on a bundled public-domain text (Cicero, `data/README.md`), with AdamW,
+//! warm-up and gradient clipping (`quickstart::charlm`):
+//!
+//! ```text
+//! cargo run --release -p quickstart --bin charlm -- --epochs 1
+//! burn-ddp-run --nproc 2 target/release/charlm --epochs 1
+//! ```
+
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use anyhow::Context;
+use clap::Parser;
+use clap::builder::RangedU64ValueParser;
+use quickstart::charlm::{LmConfig, train};
+
+/// A decoder-only transformer on Cicero, character by character, data-parallel.
+#[derive(Debug, Parser)]
+#[command(name = "charlm")]
+struct Flags {
+    /// Epochs
+    #[arg(long, default_value_t = LmConfig::default().epochs,
+          value_parser = RangedU64ValueParser::<usize>::new().range(1..))]
+    epochs: usize,
+    /// Sequences per batch, per rank
+    #[arg(long, default_value_t = LmConfig::default().batch_size,
+          value_parser = RangedU64ValueParser::<usize>::new().range(1..))]
+    batch_size: usize,
+    /// Characters per sequence
+    #[arg(long, default_value_t = LmConfig::default().seq_len,
+          value_parser = RangedU64ValueParser::<usize>::new().range(2..=1024))]
+    seq_len: usize,
+    /// Dropout probability in every block
+    #[arg(long, default_value_t = LmConfig::default().dropout, value_parser = probability)]
+    dropout: f64,
+    /// Peak learning rate (AdamW, reached after the warm-up)
+    #[arg(long, default_value_t = LmConfig::default().lr, value_parser = positive)]
+    lr: f64,
+    /// Warm-up steps
+    #[arg(long, default_value_t = LmConfig::default().warmup,
+          value_parser = RangedU64ValueParser::<usize>::new().range(1..))]
+    warmup: usize,
+    /// Job seed (initialisation and shuffling; dropout from it and the rank)
+    #[arg(long, default_value_t = LmConfig::default().seed)]
+    seed: u64,
+    /// burn's own Learner instead of DdpLearner (one process; to measure DdpLearner's overhead)
+    #[arg(long)]
+    plain: bool,
+    /// No progress output
+    #[arg(long)]
+    quiet: bool,
+    /// Where rank 0 writes timing as key=value
+    #[arg(long, value_name = "PATH")]
+    report: Option<PathBuf>,
+    /// Where rank 0 writes the final parameters as raw little-endian f32
+    #[arg(long, value_name = "PATH")]
+    params_out: Option<PathBuf>,
+    /// Train on the text's first N sequences only (quick runs)
+    #[arg(long, value_name = "N",
+          value_parser = RangedU64ValueParser::<usize>::new().range(1..))]
+    max_sequences: Option<usize>,
+}
+
+fn probability(s: &str) -> Result<f64, String> {
+    match s.parse::<f64>() {
+        Ok(p) if (0.0..1.0).contains(&p) => Ok(p),
+        _ => Err("a probability in [0, 1)".into()),
+    }
+}
+
+fn positive(s: &str) -> Result<f64, String> {
+    match s.parse::<f64>() {
+        Ok(x) if x.is_finite() && x > 0.0 => Ok(x),
+        _ => Err("a finite number above 0".into()),
+    }
+}
+
+fn run() -> anyhow::Result<()> {
+    let f = Flags::parse();
+    let cfg = LmConfig {
+        epochs: f.epochs,
+        batch_size: f.batch_size,
+        seq_len: f.seq_len,
+        dropout: f.dropout,
+        lr: f.lr,
+        warmup: f.warmup,
+        seed: f.seed,
+        plain: f.plain,
+        quiet: f.quiet,
+        report: f.report.clone(),
+        params_out: f.params_out.clone(),
+        max_sequences: f.max_sequences,
+        ..LmConfig::default()
+    };
+    let group = Arc::new(burn_ddp::init_process_group().context("forming the process group")?);
+    let report = train(group.clone(), &cfg)?;
+    println!("parameters digest {:016x}", report.digest());
+    if group.rank() == 0 {
+        let shown = quickstart::Config {
+            epochs: cfg.epochs,
+            batch_size: cfg.batch_size,
+            report: cfg.report.clone(),
+            params_out: cfg.params_out.clone(),
+            ..quickstart::Config::default()
+        };
+        report.publish(&shown, group.world_size())?;
+    }
+    Ok(())
+}
+
+fn main() -> std::process::ExitCode {
+    quickstart::exit(run())
+}
