@@ -14,7 +14,6 @@
 use std::sync::Arc;
 
 use anyhow::{Context, Result, bail};
-use burn::data::dataloader::DataLoaderBuilder;
 use burn::data::dataloader::batcher::Batcher;
 use burn::data::dataset::{Dataset, DatasetError};
 use burn::module::Module;
@@ -33,11 +32,10 @@ use burn::train::{
     ClassificationOutput, InferenceStep, Learner, SupervisedTraining, TrainOutput, TrainStep,
 };
 use burn_ddp::ProcessGroup;
-use burn_ddp::train::{
-    DdpLearner, DdpTraining, DistributedSampler, GradientReducer, ProgressOutput, QuietRenderer,
-};
+use burn_ddp::train::{DdpLearner, DdpTraining, GradientReducer, ProgressOutput, QuietRenderer};
 
-use crate::training::{Report, mean_exposed_ms};
+use crate::model::percent_correct;
+use crate::training::{Loaders, Report, mean_exposed_ms};
 
 /// The bundled text: Cicero, *De finibus bonorum et malorum*, book 1 (45 BC, public domain), as
 /// the `lipsum` crate ships it (`LIBER_PRIMUS`).
@@ -272,18 +270,8 @@ pub fn accuracy(model: &CharLm, cfg: &LmConfig) -> f64 {
     let (_, valid) = Sequences::splits(cfg.seq_len);
     let items: Vec<Vec<i64>> = valid.0.iter().cloned().collect();
     let device = device().inner();
-    let out = InferenceStep::step(
-        &model.clone().fork(&device),
-        LmBatcher.batch(items, &device),
-    );
-    let n = out.targets.dims()[0];
-    let predicted = out.output.argmax(1).reshape([n]);
-    let correct = predicted
-        .equal(out.targets)
-        .int()
-        .sum()
-        .into_scalar::<i64>();
-    correct as f64 * 100.0 / n.max(1) as f64
+    let batch = LmBatcher.batch(items, &device);
+    percent_correct(InferenceStep::step(&model.clone().fork(&device), batch))
 }
 
 /// Trains `model` (every rank's is replaced by rank 0's at the start) in `group`.
@@ -298,16 +286,12 @@ pub fn train_model(group: Arc<ProcessGroup>, cfg: &LmConfig, model: CharLm) -> R
     if let Some(n) = cfg.max_sequences {
         train_data = Sequences(Arc::new(train_data.0.iter().take(n).cloned().collect()));
     }
-    let sampler = DistributedSampler::for_group(&group).seed(cfg.seed);
-    let valid_sampler = DistributedSampler::for_group(&group)
-        .shuffle(false)
-        .pad(false);
-    let train = DataLoaderBuilder::new(LmBatcher)
-        .batch_size(cfg.batch_size)
-        .build(sampler.dataset(train_data));
-    let valid = DataLoaderBuilder::new(LmBatcher)
-        .batch_size(cfg.batch_size)
-        .build(valid_sampler.dataset(valid_data));
+    let splits = (train_data, valid_data);
+    let Loaders {
+        samplers,
+        train,
+        valid,
+    } = Loaders::new(&group, (cfg.seed, cfg.batch_size), LmBatcher, splits);
     let steps_per_epoch = train.num_items().div_ceil(cfg.batch_size);
     let mut training = SupervisedTraining::new(&cfg.artifacts, train, valid)
         .metric_train_numeric(LossMetric::new())
@@ -347,8 +331,8 @@ pub fn train_model(group: Arc<ProcessGroup>, cfg: &LmConfig, model: CharLm) -> R
             ProgressOutput::Auto
         };
         let learner = DdpLearner::with_group(group.clone(), model, optim, lr)
-            .sampler(&sampler)
-            .valid_sampler(&valid_sampler)
+            .sampler(&samplers.train)
+            .valid_sampler(&samplers.valid)
             .setting("batch_size", cfg.batch_size)
             .setting("seq_len", cfg.seq_len)
             .setting("lr", cfg.lr)

@@ -126,13 +126,20 @@ pub fn accuracy(model: &MyModel, device: &Device, data: &Data) -> Result<f64> {
     let items: Vec<MyItem> = (0..data.len())
         .map(|i| data.get(i))
         .collect::<Result<_, _>>()?;
-    let n = items.len();
-    let out = InferenceStep::step(model, MyBatcher.batch(items, device));
+    Ok(percent_correct(InferenceStep::step(
+        model,
+        MyBatcher.batch(items, device),
+    )))
+}
+
+/// The share of a classification's items whose highest-scored class is the target, in percent.
+pub fn percent_correct(out: ClassificationOutput) -> f64 {
+    let n = out.targets.dims()[0];
     let predicted = out.output.argmax(1).reshape([n]);
     let correct = predicted
         .equal(out.targets)
         .int()
         .sum()
         .into_scalar::<i64>();
-    Ok(correct as f64 * 100.0 / n.max(1) as f64)
+    correct as f64 * 100.0 / n.max(1) as f64
 }

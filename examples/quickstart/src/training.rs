@@ -4,7 +4,9 @@
 use std::sync::Arc;
 
 use anyhow::{Context, Result, bail};
+use burn::data::dataloader::batcher::Batcher;
 use burn::data::dataloader::{DataLoader, DataLoaderBuilder};
+use burn::data::dataset::Dataset;
 use burn::module::Module;
 use burn::optim::SgdConfig;
 use burn::tensor::Device;
@@ -137,7 +139,8 @@ pub fn run(group: Arc<ProcessGroup>, cfg: &Config) -> Result<Report> {
     // Parameters are initialised lazily; materialise them while the seed still decides.
     let model = MyModel::init(&device, cfg.model, features, classes).materialize();
 
-    let loaders = Loaders::new(&group, cfg, train_data, valid_data.clone());
+    let splits = (train_data, valid_data.clone());
+    let loaders = Loaders::new(&group, (cfg.seed, cfg.batch_size), MyBatcher, splits);
     let steps = cfg.epochs * loaders.train.num_items().div_ceil(cfg.batch_size);
     let (training, progress) = supervised_training(cfg, loaders.train, loaders.valid);
     let bytes_per_step = planned_bytes_per_step(&group, cfg, &model, &device)?;
@@ -198,32 +201,42 @@ fn load_data(cfg: &Config) -> Result<(Data, Data, usize, usize)> {
 }
 
 /// The training and validation samplers of this rank.
-struct Samplers {
-    train: DistributedSampler,
-    valid: DistributedSampler,
+pub(crate) struct Samplers {
+    pub train: DistributedSampler,
+    pub valid: DistributedSampler,
 }
 
 /// This rank's loaders of both splits, and the samplers that shard them.
-struct Loaders {
-    samplers: Samplers,
-    train: Arc<dyn DataLoader<MyBatch>>,
-    valid: Arc<dyn DataLoader<MyBatch>>,
+pub(crate) struct Loaders<O> {
+    pub samplers: Samplers,
+    pub train: Arc<dyn DataLoader<O>>,
+    pub valid: Arc<dyn DataLoader<O>>,
 }
 
-impl Loaders {
-    /// Samples each split for this rank of `group` (training shuffled by the seed, validation
-    /// in order and unpadded) and batches it.
-    fn new(group: &ProcessGroup, cfg: &Config, train_data: Data, valid_data: Data) -> Self {
-        let sampler = DistributedSampler::for_group(group).seed(cfg.seed);
+impl<O: Send + Clone + std::fmt::Debug + 'static> Loaders<O> {
+    /// Samples each split for this rank of `group` (training shuffled by `seed`, validation
+    /// in order and unpadded) and batches it with `batcher`, `batch_size` items per batch.
+    pub(crate) fn new<I, D, B>(
+        group: &ProcessGroup,
+        (seed, batch_size): (u64, usize),
+        batcher: B,
+        (train_data, valid_data): (D, D),
+    ) -> Self
+    where
+        I: Send + Sync + Clone + std::fmt::Debug + 'static,
+        D: Dataset<I> + 'static,
+        B: Batcher<I, O> + Clone + 'static,
+    {
+        let sampler = DistributedSampler::for_group(group).seed(seed);
         // Validation counts every sample once, whatever the world size: no padding.
         let valid_sampler = DistributedSampler::for_group(group)
             .shuffle(false)
             .pad(false);
-        let train = DataLoaderBuilder::new(MyBatcher)
-            .batch_size(cfg.batch_size)
+        let train = DataLoaderBuilder::new(batcher.clone())
+            .batch_size(batch_size)
             .build(sampler.dataset(train_data));
-        let valid = DataLoaderBuilder::new(MyBatcher)
-            .batch_size(cfg.batch_size)
+        let valid = DataLoaderBuilder::new(batcher)
+            .batch_size(batch_size)
             .build(valid_sampler.dataset(valid_data));
         Loaders {
             samplers: Samplers {

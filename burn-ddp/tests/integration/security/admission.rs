@@ -9,6 +9,7 @@ use burn_ddp::secret::{AdmissionError, JobSecret};
 use burn_ddp::store::{Store, StoreServer};
 use burn_ddp::{DdpError, ProcessGroup, ReduceOp};
 
+use super::{join_pair, rank_0_accepting, store_client};
 use crate::common::{options, run_world_with_secret};
 
 #[test]
@@ -59,25 +60,12 @@ fn strays_claiming_a_rank_cannot_join_the_data_plane() {
     let secret = JobSecret::generate().unwrap();
     let server = StoreServer::bind_with_secret("127.0.0.1:0", Some(secret.clone())).unwrap();
     let port = server.local_addr().port();
-    let build = |rank: usize| {
-        ProcessGroup::builder(rank, 2)
-            .master_addr("127.0.0.1")
-            .master_port(port)
-            .host_store(false)
-            .secret(secret.clone())
-            .options(options(20))
-            .build()
-    };
-    let store = Store::connect_with_secret(&format!("127.0.0.1:{port}"), T, Some(&secret));
-    let store = store.unwrap();
+    let build = |rank: usize| join_pair(rank, port, &secret);
+    let store = store_client(port, &secret);
     std::thread::scope(|s| {
         let rank0 = s.spawn(|| build(0));
-        let addr0 = store.get(&burn_ddp::testing::mesh_addr_key(0)).unwrap();
-        // A placeholder for rank 1's address lets rank 0 start accepting before rank 1 runs,
-        // so the strays are the first to reach it.
-        store
-            .set(&burn_ddp::testing::mesh_addr_key(1), b"127.0.0.1:1")
-            .unwrap();
+        // The strays are the first to reach rank 0.
+        let addr0 = rank_0_accepting(&store);
 
         let start = Instant::now();
         let wrong = stray(&addr0, Some(JobSecret::generate().unwrap())).unwrap_err();

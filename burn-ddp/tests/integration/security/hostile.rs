@@ -13,6 +13,7 @@ use burn_ddp::{DdpError, ProcessGroup, ReduceOp};
 
 use super::relay::{Relay, fake_store};
 use super::watch::{keep_warnings, warning, watch_allocations_of, watched_allocation};
+use super::{join_pair, rank_0_accepting, store_client};
 use crate::common::{STORE_CHALLENGE_LEN, STORE_HELLO, options, store_answer, store_hello};
 
 const T: Duration = Duration::from_secs(5);
@@ -323,25 +324,12 @@ fn silent_connections_do_not_hold_up_the_rendezvous() {
     let secret = JobSecret::generate().unwrap();
     let server = StoreServer::bind_with_secret("127.0.0.1:0", Some(secret.clone())).unwrap();
     let port = server.local_addr().port();
-    let build = |rank: usize| {
-        ProcessGroup::builder(rank, 2)
-            .master_addr("127.0.0.1")
-            .master_port(port)
-            .host_store(false)
-            .secret(secret.clone())
-            .options(options(60))
-            .build()
-    };
-    let store = Store::connect_with_secret(&format!("127.0.0.1:{port}"), T, Some(&secret));
-    let store = store.unwrap();
+    let build = |rank: usize| join_pair(rank, port, &secret);
+    let store = store_client(port, &secret);
     std::thread::scope(|s| {
         let rank0 = s.spawn(|| build(0));
-        let addr0 = store.get(&burn_ddp::testing::mesh_addr_key(0)).unwrap();
-        // A placeholder for rank 1's address lets rank 0 start accepting before rank 1 runs,
-        // so the silent connections are the first it meets.
-        store
-            .set(&burn_ddp::testing::mesh_addr_key(1), b"127.0.0.1:1")
-            .unwrap();
+        // The silent connections are the first rank 0 meets.
+        let addr0 = rank_0_accepting(&store);
         let addr0: std::net::SocketAddr = String::from_utf8_lossy(&addr0).parse().unwrap();
         // Four connections that never say a word (each may take 10 s before it is refused).
         let silent: Vec<TcpStream> = (0..4).map(|_| TcpStream::connect(addr0).unwrap()).collect();

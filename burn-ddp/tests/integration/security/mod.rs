@@ -14,3 +14,39 @@ mod hostile;
 mod relay;
 mod startup;
 pub(crate) mod watch;
+
+use std::time::Duration;
+
+use burn_ddp::ProcessGroup;
+use burn_ddp::secret::JobSecret;
+use burn_ddp::store::Store;
+
+use crate::common::options;
+
+/// Rank `rank` of a world of two joining the job whose store listens on `port`, with `secret`.
+fn join_pair(rank: usize, port: u16, secret: &JobSecret) -> burn_ddp::Result<ProcessGroup> {
+    ProcessGroup::builder(rank, 2)
+        .master_addr("127.0.0.1")
+        .master_port(port)
+        .host_store(false)
+        .secret(secret.clone())
+        .options(options(20))
+        .build()
+}
+
+/// Rank 0's data-plane address, once rank 0 (forming its group on another thread) published
+/// it; a placeholder for rank 1's address lets rank 0 start accepting before rank 1 runs, so
+/// whatever the test connects first is the first to reach it.
+fn rank_0_accepting(store: &Store) -> Vec<u8> {
+    let addr0 = store.get(&burn_ddp::testing::mesh_addr_key(0)).unwrap();
+    store
+        .set(&burn_ddp::testing::mesh_addr_key(1), b"127.0.0.1:1")
+        .unwrap();
+    addr0
+}
+
+/// A client of the store at `port` holding `secret`.
+fn store_client(port: u16, secret: &JobSecret) -> Store {
+    let addr = format!("127.0.0.1:{port}");
+    Store::connect_with_secret(&addr, Duration::from_secs(5), Some(secret)).unwrap()
+}
