@@ -1,5 +1,6 @@
 //! The shared-memory transport: the same bits as the TCP transport, failures named, desyncs
-//! caught, and nothing left in /dev/shm (after a clean exit, while running, after a SIGKILL).
+//! caught, segments that have no name anywhere (so nothing is left behind, however ranks end)
+//! and cannot be resized under the ranks.
 
 use std::time::{Duration, Instant};
 
@@ -19,27 +20,28 @@ fn opts(transport: Transport, timeout_secs: u64) -> GroupOptions {
     }
 }
 
-/// The segments of the group whose store listens on `port` still named in /dev/shm.
-fn leftovers(port: u16) -> Vec<String> {
-    let prefix = format!("burn-ddp-{port}-");
-    std::fs::read_dir("/dev/shm")
-        .map(|d| {
-            d.filter_map(|e| e.ok())
-                .map(|e| e.file_name().to_string_lossy().into_owned())
-                .filter(|n| n.starts_with(&prefix))
-                .collect()
+/// The address ranges at which process `pid` maps shared-memory segments, and the file each
+/// maps (from `/proc/<pid>/maps`).
+fn segments(pid: u32) -> Vec<(String, String)> {
+    let maps = std::fs::read_to_string(format!("/proc/{pid}/maps")).unwrap_or_default();
+    maps.lines()
+        .filter(|l| l.contains("burn-ddp-segment"))
+        .filter_map(|l| {
+            let range = l.split_whitespace().next()?;
+            let file = l.split_whitespace().skip(5).collect::<Vec<_>>().join(" ");
+            Some((range.to_string(), file))
         })
-        .unwrap_or_default()
+        .collect()
 }
 
-fn store_port(g: &ProcessGroup) -> u16 {
-    g.store()
-        .addr()
-        .rsplit(':')
-        .next()
-        .unwrap()
-        .parse()
-        .unwrap()
+/// Asserts that process `pid` maps at least one segment and that every one is an anonymous
+/// memory file (no name in /dev/shm or anywhere, so the kernel frees it with its last user).
+fn assert_anonymous_segments(pid: u32) {
+    let found = segments(pid);
+    assert!(!found.is_empty(), "process {pid} maps no segment");
+    for (_, file) in found {
+        assert!(file.starts_with("/memfd:burn-ddp-segment"), "{file}");
+    }
 }
 
 /// Digests of every collective result of one rank, for one transport.
@@ -81,26 +83,22 @@ fn shm_results_equal_tcp_results_bit_for_bit() {
         let by = |transport| {
             run_world(world, opts(transport, 30), |g| {
                 assert_eq!(g.transport(), transport);
-                let port = store_port(&g);
-                // Rank 0 unlinks before its build returns, so before any collective completes.
                 g.barrier().wait().expect("barrier");
-                assert!(
-                    leftovers(port).is_empty(),
-                    "segment still named while running"
-                );
-                (run_all(&g), port)
+                if transport == Transport::Shm {
+                    assert_anonymous_segments(std::process::id());
+                }
+                run_all(&g)
             })
         };
         let tcp = by(Transport::Tcp);
         let shm = by(Transport::Shm);
         for r in 0..world {
-            assert_eq!(tcp[r].0, tcp[0].0, "world {world}: ranks differ over tcp");
+            assert_eq!(tcp[r], tcp[0], "world {world}: ranks differ over tcp");
             assert_eq!(
-                shm[r].0, tcp[r].0,
+                shm[r], tcp[r],
                 "world {world} rank {r}: shm differs from tcp"
             );
         }
-        assert!(leftovers(shm[0].1).is_empty());
     }
 }
 
@@ -251,7 +249,7 @@ fn ranks_in_different_collectives_stop_with_a_desync_error() {
 }
 
 #[test]
-fn a_rank_killed_mid_all_reduce_is_named_and_leaves_no_segment() {
+fn a_rank_killed_mid_all_reduce_is_named() {
     let (world, victim) = (3, 1);
     let timeout = Duration::from_secs(5);
     let port = free_port("127.0.0.1").unwrap();
@@ -259,13 +257,53 @@ fn a_rank_killed_mid_all_reduce_is_named_and_leaves_no_segment() {
     for line in ready {
         assert!(line.ends_with("READY shm"), "{line}");
     }
-    assert!(
-        leftovers(port).is_empty(),
-        "segment still named while running"
-    );
+    for rank in &ranks.0 {
+        assert_anonymous_segments(rank.id());
+    }
     // A dead peer is seen through its connection at once, not after the timeout.
     kill_and_expect_named(&mut ranks, victim, timeout);
-    assert!(leftovers(port).is_empty());
+}
+
+/// Another process of the user opens a rank's segment (through `/proc/<pid>/map_files`, which
+/// root may do) and tries to shrink or grow it: the seals refuse, and the ranks go on (a
+/// truncated POSIX segment killed every rank with SIGBUS).
+#[test]
+fn a_segment_cannot_be_resized_under_the_ranks() {
+    let port = free_port("127.0.0.1").unwrap();
+    let timeout = Duration::from_secs(20);
+    let (mut ranks, _) = looping_ranks(2, port, timeout, &[("BURN_DDP_TRANSPORT", "shm")]);
+    let pid = ranks.0[1].id();
+    let (range, _) = segments(pid)
+        .into_iter()
+        .next()
+        .expect("rank 1 maps its segment");
+    let path = format!("/proc/{pid}/map_files/{range}");
+    let file = match std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(&path)
+    {
+        Ok(file) => file,
+        Err(e) if e.kind() == std::io::ErrorKind::PermissionDenied => {
+            eprintln!("SKIPPED: opening {path} needs CAP_SYS_ADMIN ({e})");
+            return;
+        }
+        Err(e) => panic!("{path}: {e}"),
+    };
+    let size = file.metadata().unwrap().len();
+    for to in [0, size / 2, size * 2] {
+        let e = file.set_len(to).expect_err("resizing a sealed segment");
+        assert_eq!(e.raw_os_error(), Some(1), "EPERM resizing to {to}: {e}");
+    }
+    // The ranks keep all-reducing through it.
+    std::thread::sleep(Duration::from_millis(500));
+    for (rank, child) in ranks.0.iter_mut().enumerate() {
+        assert!(
+            child.try_wait().unwrap().is_none(),
+            "rank {rank} ended: {:?}",
+            child.try_wait()
+        );
+    }
 }
 
 /// A rank that leaves the instant its collective returns, while another still waits between

@@ -169,3 +169,53 @@ fn a_server_that_is_not_a_store_is_named() {
     assert!(e.to_string().contains("not a burn-ddp store"), "{e}");
     t.join().unwrap();
 }
+
+/// Descriptors this process holds on the accepted (server-side) connections of the store
+/// listening on `port`, and how many such connections there are: sockets whose local port is
+/// `port`, from `/proc/net/tcp{,6}`, matched to `/proc/self/fd` by inode.
+fn server_side_descriptors(port: u16) -> (usize, usize) {
+    let mut inodes = std::collections::HashSet::new();
+    for table in ["/proc/net/tcp", "/proc/net/tcp6"] {
+        let text = std::fs::read_to_string(table).unwrap_or_default();
+        for line in text.lines().skip(1) {
+            let cols: Vec<&str> = line.split_whitespace().collect();
+            let local_port = cols
+                .get(1)
+                .and_then(|a| a.rsplit(':').next())
+                .and_then(|p| u16::from_str_radix(p, 16).ok());
+            // State 0A is LISTEN: the listener itself is not a connection.
+            if local_port == Some(port) && cols.get(3) != Some(&"0A") {
+                inodes.insert(format!("socket:[{}]", cols[9]));
+            }
+        }
+    }
+    let fds = std::fs::read_dir("/proc/self/fd")
+        .unwrap()
+        .filter_map(|e| std::fs::read_link(e.ok()?.path()).ok())
+        .filter(|link| inodes.contains(&*link.to_string_lossy()))
+        .count();
+    (fds, inodes.len())
+}
+
+/// The store holds one descriptor per client connection (it once held two, a reader and a
+/// writer, and ran out of descriptors at half the ranks).
+#[test]
+fn the_store_holds_one_descriptor_per_connection() {
+    let server = StoreServer::bind("127.0.0.1:0").unwrap();
+    let addr = server.local_addr().to_string();
+    let clients: Vec<Store> = (0..16)
+        .map(|i| {
+            let c = Store::connect(&addr, Duration::from_secs(5)).unwrap();
+            c.set(&format!("k{i}"), b"v").unwrap();
+            c
+        })
+        .collect();
+    // Every client was served, so the server holds every connection.
+    let (fds, connections) = server_side_descriptors(server.local_addr().port());
+    assert_eq!(
+        connections,
+        clients.len(),
+        "connections the server accepted"
+    );
+    assert_eq!(fds, connections, "descriptors the server holds for them");
+}

@@ -27,16 +27,17 @@ pub(crate) struct Mapping {
 unsafe impl Send for Mapping {}
 
 impl Mapping {
-    /// Maps the first `len` bytes of `fd` (a shared-memory file at least that long) read-write
-    /// and shared.
+    /// Maps the first `len` bytes of `fd` (a shared-memory file that long, sealed against
+    /// shrinking) read-write and shared.
     pub(crate) fn map(fd: BorrowedFd<'_>, len: usize) -> io::Result<Self> {
         if len == 0 {
             return Err(io::Error::new(io::ErrorKind::InvalidInput, "empty mapping"));
         }
         // SAFETY: a fresh mapping at an address the kernel chooses (null hint), so no existing
-        // memory is replaced; `len` is non-zero and the caller checked the file is that long, so
-        // no access within `len` faults for lack of backing (the creator also reserved the pages
-        // with fallocate, so tmpfs being full cannot raise SIGBUS later).
+        // memory is replaced; `len` is non-zero and the caller checked the file is that long and
+        // sealed against shrinking (`segment::open`), so no access within `len` faults for lack
+        // of backing (the creator also reserved the pages with fallocate, so memory running out
+        // cannot raise SIGBUS later).
         let ptr = unsafe {
             rustix::mm::mmap(
                 std::ptr::null_mut(),

@@ -1,10 +1,12 @@
 //! The shared-memory transport, for the ranks of a group that run on one host: collectives move
-//! through one POSIX shared-memory segment per host instead of sockets.
+//! through one shared-memory segment per host instead of sockets.
 //!
 //! - `setup` decides at rendezvous whether the group uses it (ranks grouped by host: host name,
 //!   boot id and network namespace; `BURN_DDP_TRANSPORT` allowing it) and sets the segments up;
 //! - `segment` lays the segment out (a control block and a data slot per rank, a result area)
-//!   and creates, opens and unlinks it;
+//!   and creates (an anonymous memory file, sealed against resizing) and opens it;
+//! - `handoff` passes the segment's descriptor from its creator to the host's other ranks over
+//!   a Unix socket;
 //! - `mapping` holds all of burn-ddp's `unsafe`: the mapping and raw copies in and out of it.
 //!
 //! Synchronisation: each rank's control block holds a step counter. A rank finishes a step by
@@ -24,6 +26,7 @@
 //! ([`Peers::across_hosts`]): every byte crosses between hosts once per direction, and the ranks
 //! of a host share the work.
 
+mod handoff;
 mod mapping;
 mod ops;
 mod segment;
@@ -274,18 +277,17 @@ fn describe((kind, seq, dtype, bytes): (u64, u64, u64, u64), aux: u64) -> String
 
 #[cfg(test)]
 mod tests {
-    use super::segment::{self, Created, Layout};
+    use super::segment::{self, Layout};
     use super::*;
 
     /// Local ranks 0 and 1 of one segment, in this process.
-    fn pair(tag: &str) -> (Created, ShmChannel, ShmChannel) {
+    fn pair() -> (ShmChannel, ShmChannel) {
         let layout = Layout::new(2, 4096);
-        let name = format!("/{}unit-{}-{tag}", segment::NAME_PREFIX, std::process::id());
-        let (created, a) = segment::create(&name, layout.len()).unwrap();
-        let b = segment::open(&name, layout.len()).unwrap();
+        let (fd, a) = segment::create(layout.len()).unwrap();
+        let b = segment::open(&fd, layout.len()).unwrap();
         let timeouts = (Duration::from_secs(10), Duration::ZERO);
         let channel = |rank, map| ShmChannel::new(rank, vec![0, 1], 1, map, layout, timeouts);
-        (created, channel(0, a), channel(1, b))
+        (channel(0, a), channel(1, b))
     }
 
     /// Rank 0's network while it waits for rank 1 at the end of a step: when rank 0 checks the
@@ -327,7 +329,7 @@ mod tests {
 
     #[test]
     fn a_peer_that_ended_the_step_and_left_is_no_failure() {
-        let (_segment, mut a, mut b) = pair("ended");
+        let (mut a, mut b) = pair();
         let mut net = LeavesDuringTheCheck {
             peer: &mut b,
             ended: true,
@@ -337,7 +339,7 @@ mod tests {
 
     #[test]
     fn a_peer_that_left_before_ending_the_step_is_named() {
-        let (_segment, mut a, mut b) = pair("left");
+        let (mut a, mut b) = pair();
         let mut net = LeavesDuringTheCheck {
             peer: &mut b,
             ended: false,

@@ -1,15 +1,15 @@
-//! The shared-memory segment of a group: its layout (a control block per rank, a data slot per
-//! rank, a result area), and creating, opening and unlinking the POSIX segment behind it.
+//! The shared-memory segment of a host: its layout (a control block per rank, a data slot per
+//! rank, a result area), and creating and opening the file behind it.
 //!
-//! Rank 0 creates the segment (`shm_open` with `O_EXCL`, sized and its pages reserved), the
-//! others open it by the name rank 0 published, and rank 0 unlinks it as soon as every rank has
-//! mapped it: from then on nothing of it remains in `/dev/shm`, whatever happens to the ranks.
+//! The host's first rank creates the segment as an anonymous memory file (`memfd_create`), sizes
+//! it, reserves its pages and seals it against resizing; the others receive its descriptor (see
+//! `handoff`) and check the seals before they map it. It never has a name in `/dev/shm` or
+//! anywhere: the kernel frees it when the last process that maps it ends, however it ends.
 
 use std::io;
 use std::os::fd::{AsFd, OwnedFd};
 
-use rustix::fs::{FallocateFlags, Mode};
-use rustix::shm::OFlags;
+use rustix::fs::{FallocateFlags, MemfdFlags, SealFlags};
 
 use super::mapping::Mapping;
 
@@ -17,8 +17,6 @@ use super::mapping::Mapping;
 /// another rank's).
 const CONTROL: usize = 128;
 const PAGE: usize = 4096;
-/// Prefix of every segment's name (`/dev/shm/burn-ddp-...`).
-pub(crate) const NAME_PREFIX: &str = "burn-ddp-";
 
 /// Fields of a control block, in `u64` words.
 #[derive(Debug, Clone, Copy)]
@@ -100,74 +98,46 @@ impl Layout {
     }
 }
 
-/// The segment's name in `shm_open`'s form (`/burn-ddp-<port>-<token>`), unique per job: the
-/// store's port and a random token rank 0 draws.
-pub(crate) fn segment_name(port: u16) -> io::Result<String> {
-    let mut token = [0u8; 8];
-    getrandom::fill(&mut token).map_err(|e| io::Error::other(e.to_string()))?;
-    Ok(format!(
-        "/{NAME_PREFIX}{port}-{}-{:016x}",
-        std::process::id(),
-        u64::from_le_bytes(token)
-    ))
+/// Seals every segment carries: its size can never change, so no access inside a mapping can
+/// fault for want of backing (a truncated POSIX segment kills every rank with SIGBUS), and no
+/// further seal can be added.
+fn seals() -> SealFlags {
+    SealFlags::SHRINK | SealFlags::GROW | SealFlags::SEAL
 }
 
-/// A segment rank 0 created; unlinked on drop unless already unlinked.
-pub(crate) struct Created {
-    name: String,
-    linked: bool,
-}
-
-impl Created {
-    /// Removes the segment's name now (the mappings stay valid).
-    pub(crate) fn unlink(&mut self) {
-        if std::mem::take(&mut self.linked)
-            && let Err(e) = rustix::shm::unlink(self.name.as_str())
-        {
-            log::warn!(
-                "removing the shared-memory segment {} failed: {e}",
-                self.name
-            );
-        }
-    }
-}
-
-impl Drop for Created {
-    fn drop(&mut self) {
-        self.unlink();
-    }
-}
-
-/// Creates the segment `name` of `len` bytes (zero-filled, pages reserved so that a full
-/// `/dev/shm` is an error here rather than a SIGBUS later) and maps it.
-pub(crate) fn create(name: &str, len: usize) -> io::Result<(Created, Mapping)> {
-    let fd = rustix::shm::open(
-        name,
-        OFlags::CREATE | OFlags::EXCL | OFlags::RDWR,
-        Mode::RUSR | Mode::WUSR,
+/// Creates a segment of `len` bytes (zero-filled, pages reserved so that a full memory is an
+/// error here rather than a SIGBUS later, sealed against resizing) and maps it. The descriptor
+/// is what the host's other ranks receive (see `handoff`).
+pub(crate) fn create(len: usize) -> io::Result<(OwnedFd, Mapping)> {
+    let fd = rustix::fs::memfd_create(
+        "burn-ddp-segment",
+        MemfdFlags::CLOEXEC | MemfdFlags::ALLOW_SEALING,
     )?;
-    let created = Created {
-        name: name.to_string(),
-        linked: true,
-    };
     rustix::fs::ftruncate(&fd, len as u64)?;
     match rustix::fs::fallocate(&fd, FallocateFlags::empty(), 0, len as u64) {
         Ok(()) => {}
         Err(rustix::io::Errno::OPNOTSUPP) | Err(rustix::io::Errno::NOSYS) => {}
         Err(e) => {
             return Err(io::Error::other(format!(
-                "reserving {len} bytes of shared memory: {e} (is /dev/shm full or small?)"
+                "reserving {len} bytes of shared memory: {e} (is memory short, or a cgroup limit low?)"
             )));
         }
     }
+    rustix::fs::fcntl_add_seals(&fd, seals())?;
     let map = Mapping::map(fd.as_fd(), len)?;
-    Ok((created, map))
+    Ok((fd, map))
 }
 
-/// Opens and maps the segment `name` rank 0 created, checking it has `len` bytes.
-pub(crate) fn open(name: &str, len: usize) -> io::Result<Mapping> {
-    let fd: OwnedFd = rustix::shm::open(name, OFlags::RDWR, Mode::empty())?;
-    let size = rustix::fs::fstat(&fd)?.st_size;
+/// Maps the segment `fd` another rank created, after checking it has `len` bytes and is sealed
+/// against resizing.
+pub(crate) fn open(fd: &OwnedFd, len: usize) -> io::Result<Mapping> {
+    let sealed = rustix::fs::fcntl_get_seals(fd)?;
+    if !sealed.contains(SealFlags::SHRINK | SealFlags::GROW) {
+        return Err(io::Error::other(
+            "the segment is not sealed against resizing",
+        ));
+    }
+    let size = rustix::fs::fstat(fd)?.st_size;
     if size != len as i64 {
         return Err(io::Error::other(format!(
             "the segment has {size} bytes, expected {len}"
@@ -196,18 +166,42 @@ mod tests {
     }
 
     #[test]
-    fn created_segment_is_shared_and_unlinked() {
-        let name = segment_name(1).unwrap();
-        let (mut created, a) = create(&name, 8192).unwrap();
-        let b = open(&name, 8192).unwrap();
-        assert!(open(&name, 4096).is_err());
-        created.unlink();
-        assert!(open(&name, 8192).is_err(), "unlinked");
+    fn a_segment_is_shared_and_cannot_be_resized() {
+        let (fd, a) = create(8192).unwrap();
+        let b = open(&fd, 8192).unwrap();
+        assert!(open(&fd, 4096).is_err(), "wrong size");
+        // Whoever opens the file anew (as any process of the user can, through /proc) cannot
+        // shrink or grow it.
+        let path = format!("/proc/self/fd/{}", std::os::fd::AsRawFd::as_raw_fd(&fd));
+        let file = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(path)
+            .unwrap();
+        for size in [0, 4096, 1 << 20] {
+            let e = file.set_len(size).unwrap_err();
+            assert_eq!(
+                e.raw_os_error(),
+                Some(libc_eperm()),
+                "resizing to {size}: {e}"
+            );
+        }
         a.write(4096, b"hello");
         let mut got = [0u8; 5];
         b.read(4096, &mut got);
         assert_eq!(&got, b"hello");
         a.counter(8).store(7, std::sync::atomic::Ordering::Release);
         assert_eq!(b.counter(8).load(std::sync::atomic::Ordering::Acquire), 7);
+        // A file without the seals (as a hostile creator might hand over) is refused.
+        let plain = rustix::fs::memfd_create("burn-ddp-test", MemfdFlags::CLOEXEC).unwrap();
+        rustix::fs::ftruncate(&plain, 8192).unwrap();
+        let e = open(&plain, 8192)
+            .err()
+            .expect("an unsealed file is refused");
+        assert!(e.to_string().contains("not sealed"), "{e}");
+    }
+
+    fn libc_eperm() -> i32 {
+        rustix::io::Errno::PERM.raw_os_error()
     }
 }

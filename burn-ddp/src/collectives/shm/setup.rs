@@ -6,14 +6,16 @@
 //! serves a group on one host, or a group on several hosts with the same number of ranks (two or
 //! more) on each: then all-reduce is hierarchical (shared memory within each host, TCP between
 //! the hosts) and the other collectives run over TCP. On each host its first rank creates the
-//! segment and publishes its name (port and a random token), the others map it and report, and
-//! the creator unlinks it once every rank has reported. Only when every rank mapped its segment
+//! segment (an anonymous, sealed memory file) and offers its descriptor over a Unix socket whose
+//! name and token it publishes; the others take it, map it and report, and the creator closes
+//! the offer once every rank has reported. Only when every rank mapped its segment
 //! do collectives use them; otherwise the group stays on TCP (or fails, when shared memory was
 //! demanded).
 
 use std::time::{Duration, Instant};
 
 use super::ShmChannel;
+use super::handoff;
 use super::mapping::Mapping;
 use super::segment::{self, Layout};
 use crate::collectives::{TRANSPORT_VAR, Transport};
@@ -135,7 +137,8 @@ pub(crate) fn negotiate(
         log::warn!("rank {rank}: shared memory unavailable ({why}), collectives over TCP");
         return Ok(None);
     }
-    match map_segment(req, store, deadline, (host, local), layout.len())? {
+    let peers = hosts[host].len() - 1;
+    match map_segment(req, store, deadline, (host, local, peers), layout.len())? {
         Ok(map) => {
             let across: Vec<usize> = if hosts.len() > 1 {
                 hosts.iter().map(|h| h[local]).collect()
@@ -201,28 +204,29 @@ fn publish_and_read(
         .collect()
 }
 
-/// Maps host `host`'s segment of `len` bytes: its first rank (`local` 0) creates it and
-/// publishes its name, the others open it; every rank reports, and the creator unlinks it
-/// once all have. The mapping, or why some rank of the group could not map its segment.
+/// Maps host `host`'s segment of `len` bytes: its first rank (`local` 0) creates it and offers
+/// it to the host's `peers` other ranks (its record in the store), they take and map it; every
+/// rank reports, and the creator closes the offer once all have. The mapping, or why some rank
+/// of the group could not map its segment.
 fn map_segment(
     req: &ShmRequest,
     store: &Store,
     deadline: Instant,
-    (host, local): (usize, usize),
+    (host, local, peers): (usize, usize, usize),
     len: usize,
 ) -> Result<std::result::Result<Mapping, String>> {
     let rank = req.rank;
     let key = keys::shm_segment(host);
-    let mut created = None;
+    let mut offer = None;
     let mapped = if local == 0 {
-        let made = segment::segment_name(req.port).and_then(|name| {
-            let (c, map) = segment::create(&name, len)?;
-            Ok((name, c, map))
+        let made = segment::create(len).and_then(|(fd, map)| {
+            let (o, record) = handoff::Offer::start(fd, &req.port.to_string(), peers, deadline)?;
+            Ok((o, record, map))
         });
         match made {
-            Ok((name, c, map)) => {
-                store.set(&key, format!("ok {name}").as_bytes())?;
-                created = Some(c);
+            Ok((o, record, map)) => {
+                store.set(&key, format!("ok {record}").as_bytes())?;
+                offer = Some(o);
                 Ok(map)
             }
             Err(e) => {
@@ -236,8 +240,9 @@ fn map_segment(
         let raw = store.get_timeout(&key, left)?;
         let raw = String::from_utf8_lossy(&raw).to_string();
         match raw.split_once(' ') {
-            Some(("ok", name)) => segment::open(name, len)
-                .map_err(|e| format!("rank {rank} could not map the segment {name}: {e}")),
+            Some(("ok", record)) => handoff::take(record, deadline)
+                .and_then(|fd| segment::open(&fd, len))
+                .map_err(|e| format!("rank {rank} could not map its host's segment: {e}")),
             Some((_, reason)) => Err(reason.to_string()),
             None => Err(format!("a bad segment record {raw:?}")),
         }
@@ -248,10 +253,8 @@ fn map_segment(
     };
     store.set(&keys::per_rank(keys::SHM_MAPPED, rank), report.as_bytes())?;
     let reports = gather(store, keys::SHM_MAPPED, req.world, deadline);
-    // Every rank has mapped it or given up: the name goes, the mappings stay.
-    if let Some(mut c) = created {
-        c.unlink();
-    }
+    // Every rank has mapped it or given up: the offer closes, the mappings stay.
+    drop(offer);
     let problems: Vec<String> = reports?.into_iter().filter(|r| r != "ok").collect();
     Ok(match (mapped, problems.first()) {
         (Ok(map), None) => Ok(map),
