@@ -27,15 +27,12 @@ use burn::optim::AdamWConfig;
 use burn::optim::grad_clipping::GradientClippingConfig;
 use burn::optim::lr_scheduler::noam::NoamLrSchedulerConfig;
 use burn::tensor::{Device, Int, Tensor, TensorData};
-use burn::train::metric::{AccuracyMetric, LossMetric};
-use burn::train::{
-    ClassificationOutput, InferenceStep, Learner, SupervisedTraining, TrainOutput, TrainStep,
-};
+use burn::train::{ClassificationOutput, InferenceStep, Learner, TrainOutput, TrainStep};
 use burn_ddp::ProcessGroup;
-use burn_ddp::train::{DdpLearner, DdpTraining, GradientReducer, ProgressOutput, QuietRenderer};
+use burn_ddp::train::{DdpLearner, DdpTraining, GradientReducer};
 
 use crate::model::percent_correct;
-use crate::training::{Loaders, Report, mean_exposed_ms};
+use crate::training::{Display, Loaders, Report, mean_exposed_ms, supervised_training};
 
 /// The bundled text: Cicero, *De finibus bonorum et malorum*, book 1 (45 BC, public domain), as
 /// the `lipsum` crate ships it (`LIBER_PRIMUS`).
@@ -293,15 +290,12 @@ pub fn train_model(group: Arc<ProcessGroup>, cfg: &LmConfig, model: CharLm) -> R
         valid,
     } = Loaders::new(&group, (cfg.seed, cfg.batch_size), LmBatcher, splits);
     let steps_per_epoch = train.num_items().div_ceil(cfg.batch_size);
-    let mut training = SupervisedTraining::new(&cfg.artifacts, train, valid)
-        .metric_train_numeric(LossMetric::new())
-        .metric_valid_numeric(LossMetric::new())
-        .metric_train_numeric(AccuracyMetric::new())
-        .metric_valid_numeric(AccuracyMetric::new())
-        .num_epochs(cfg.epochs);
-    if cfg.quiet {
-        training = training.renderer(Box::new(QuietRenderer));
-    }
+    let display = Display {
+        quiet: cfg.quiet,
+        plain: cfg.plain,
+    };
+    let (training, progress) =
+        supervised_training((&cfg.artifacts, cfg.epochs), display, train, valid);
     let optim = AdamWConfig::new()
         .with_weight_decay(0.01)
         .with_grad_clipping(Some(GradientClippingConfig::Norm(cfg.clip)))
@@ -325,11 +319,6 @@ pub fn train_model(group: Arc<ProcessGroup>, cfg: &LmConfig, model: CharLm) -> R
     let result = if cfg.plain {
         training.launch(Learner::new(model, optim, lr))
     } else {
-        let progress = if cfg.quiet {
-            ProgressOutput::Keep
-        } else {
-            ProgressOutput::Auto
-        };
         let learner = DdpLearner::with_group(group.clone(), model, optim, lr)
             .sampler(&samplers.train)
             .valid_sampler(&samplers.valid)

@@ -10,8 +10,10 @@ use burn::data::dataset::Dataset;
 use burn::module::Module;
 use burn::optim::SgdConfig;
 use burn::tensor::Device;
-use burn::train::metric::{AccuracyMetric, LossMetric};
-use burn::train::{Learner, LearningResult, SupervisedTraining};
+use burn::train::metric::{AccuracyInput, AccuracyMetric, Adaptor, LossInput, LossMetric};
+use burn::train::{
+    InferenceStep, Learner, LearnerModel, LearningResult, SupervisedTraining, TrainStep,
+};
 use burn_ddp::ProcessGroup;
 use burn_ddp::train::{
     CheckpointConfig, DdpLearner, DdpTraining, DistributedSampler, GradientReducer, ProgressOutput,
@@ -19,7 +21,7 @@ use burn_ddp::train::{
 };
 
 use crate::config::{Config, ModelKind};
-use crate::data::{CLASSES, DIGIT_PIXELS, Data, Digits, FEATURES, MyBatch, MyBatcher, MyDataset};
+use crate::data::{CLASSES, DIGIT_PIXELS, Data, Digits, FEATURES, MyBatcher, MyDataset};
 use crate::model::{LARGE_SHAPE, MyModel, accuracy};
 
 /// What a run measured.
@@ -142,7 +144,16 @@ pub fn run(group: Arc<ProcessGroup>, cfg: &Config) -> Result<Report> {
     let splits = (train_data, valid_data.clone());
     let loaders = Loaders::new(&group, (cfg.seed, cfg.batch_size), MyBatcher, splits);
     let steps = cfg.epochs * loaders.train.num_items().div_ceil(cfg.batch_size);
-    let (training, progress) = supervised_training(cfg, loaders.train, loaders.valid);
+    let display = Display {
+        quiet: cfg.quiet,
+        plain: cfg.plain,
+    };
+    let (training, progress) = supervised_training(
+        (&cfg.artifacts, cfg.epochs),
+        display,
+        loaders.train,
+        loaders.valid,
+    );
     let bytes_per_step = planned_bytes_per_step(&group, cfg, &model, &device)?;
     let start = std::time::Instant::now();
     let mut exposed_ms = 0.0;
@@ -249,28 +260,43 @@ impl<O: Send + Clone + std::fmt::Debug + 'static> Loaders<O> {
     }
 }
 
-/// burn's training loop with the loss and accuracy metrics and rank 0's renderer, and how
-/// DdpLearner is to show progress.
-fn supervised_training(
-    cfg: &Config,
-    train: Arc<dyn DataLoader<MyBatch>>,
-    valid: Arc<dyn DataLoader<MyBatch>>,
-) -> (SupervisedTraining<MyModel>, ProgressOutput) {
-    let mut training = SupervisedTraining::new(&cfg.artifacts, train, valid)
+/// How a run shows its progress, from its flags.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Display {
+    /// `--quiet`: nothing.
+    pub quiet: bool,
+    /// `--plain`: burn's own Learner, given the renderer DdpLearner would choose.
+    pub plain: bool,
+}
+
+/// burn's training loop with the loss and accuracy metrics, for `epochs` epochs with its files
+/// in `artifacts`, and how DdpLearner is to show progress. Rank 0's progress: burn's TUI in a
+/// terminal, readable lines otherwise (DdpLearner chooses; burn's own Learner is told here),
+/// nothing when quiet.
+pub(crate) fn supervised_training<M>(
+    (artifacts, epochs): (&std::path::Path, usize),
+    display: Display,
+    train: Arc<dyn DataLoader<<M as TrainStep>::Input>>,
+    valid: Arc<dyn DataLoader<<M as InferenceStep>::Input>>,
+) -> (SupervisedTraining<M>, ProgressOutput)
+where
+    M: LearnerModel,
+    <M as TrainStep>::Output: Adaptor<LossInput> + Adaptor<AccuracyInput>,
+    <M as InferenceStep>::Output: Adaptor<LossInput> + Adaptor<AccuracyInput>,
+{
+    let mut training = SupervisedTraining::new(artifacts, train, valid)
         .metric_train_numeric(LossMetric::new())
         .metric_valid_numeric(LossMetric::new())
         .metric_train_numeric(AccuracyMetric::new())
         .metric_valid_numeric(AccuracyMetric::new())
-        .num_epochs(cfg.epochs);
-    // Rank 0's progress: burn's TUI in a terminal, readable lines otherwise (DdpLearner
-    // chooses; burn's own Learner is told here), nothing with --quiet.
-    let progress = if cfg.quiet {
+        .num_epochs(epochs);
+    let progress = if display.quiet {
         training = training.renderer(Box::new(QuietRenderer));
         ProgressOutput::Keep
     } else {
         ProgressOutput::Auto
     };
-    if cfg.plain
+    if display.plain
         && let Some(renderer) = progress.renderer()
     {
         training = training.renderer(renderer);
