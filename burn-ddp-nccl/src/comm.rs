@@ -176,17 +176,11 @@ impl NcclComm {
     pub fn start_all_reduce(&self, tensor: Tensor<1>, op: ReduceOp) -> Result<Pending, NcclError> {
         let input = self.buffer(tensor)?;
         let output = self.output_like(&input, input.count)?;
-        let op = match op {
-            ReduceOp::Sum => RedOp::Sum,
-            ReduceOp::Avg => RedOp::Avg,
-            ReduceOp::Max => RedOp::Max,
-            ReduceOp::Min => RedOp::Min,
-        };
         let raw = RawOp::AllReduce {
             send: input.ptr,
             recv: output.ptr,
             count: input.count,
-            op,
+            op: red_op(op),
         };
         Ok(self.pending(raw, "all_reduce", input, output))
     }
@@ -222,6 +216,32 @@ impl NcclComm {
             count: input.count,
         };
         Ok(self.pending(raw, "all_gather", input, output))
+    }
+
+    /// Starts a reduce-scatter of a flat CUDA tensor whose length is a multiple of the world
+    /// size (the same on every rank, which the caller checks): the result is this rank's part,
+    /// `len / world` elements of the reduction (`ncclReduceScatter`).
+    pub fn start_reduce_scatter(
+        &self,
+        tensor: Tensor<1>,
+        op: ReduceOp,
+    ) -> Result<Pending, NcclError> {
+        let world = self.inner.world;
+        let input = self.buffer(tensor)?;
+        if !input.count.is_multiple_of(world) {
+            return Err(self.tensor_error(format!(
+                "reduce_scatter of {} elements: not a multiple of the world size {world}",
+                input.count
+            )));
+        }
+        let output = self.output_like(&input, input.count / world)?;
+        let raw = RawOp::ReduceScatter {
+            send: input.ptr,
+            recv: output.ptr,
+            count: input.count / world,
+            op: red_op(op),
+        };
+        Ok(self.pending(raw, "reduce_scatter", input, output))
     }
 
     /// Aborts the communicator (after a failure elsewhere in the group): a collective waiting on
@@ -385,5 +405,15 @@ fn stopped(
             reason: "the communicator was aborted after a failure in the group".into(),
         },
         Stop::Failed(failure) => failed(failure),
+    }
+}
+
+/// NCCL's reduction for `op`.
+fn red_op(op: ReduceOp) -> RedOp {
+    match op {
+        ReduceOp::Sum => RedOp::Sum,
+        ReduceOp::Avg => RedOp::Avg,
+        ReduceOp::Max => RedOp::Max,
+        ReduceOp::Min => RedOp::Min,
     }
 }

@@ -158,6 +158,14 @@ pub(crate) enum RawOp {
     },
     /// `count` elements from `send` on every rank land at `recv + rank * count`.
     AllGather { send: u64, recv: u64, count: usize },
+    /// `world * count` elements from `send` reduced; part `rank` (`count` elements) lands in
+    /// `recv`.
+    ReduceScatter {
+        send: u64,
+        recv: u64,
+        count: usize,
+        op: RedOp,
+    },
 }
 
 /// An owned, non-blocking NCCL communicator.
@@ -262,7 +270,8 @@ impl RawComm {
         }
         let (dtype, stream) = (dtype.raw(), stream as sys::cudaStream_t);
         // SAFETY: see the module docs: the addresses and counts describe pinned, contiguous
-        // buffers of `dtype` elements (the gather's `recv` of `world * count`), and `stream`
+        // buffers of `dtype` elements (the gather's `recv` and the reduce-scatter's `send` of
+        // `world * count`), and `stream`
         // belongs to the context that owns them.
         let code = unsafe {
             match op {
@@ -299,6 +308,20 @@ impl RawComm {
                     recv as *mut c_void,
                     count,
                     dtype,
+                    self.comm,
+                    stream,
+                ),
+                RawOp::ReduceScatter {
+                    send,
+                    recv,
+                    count,
+                    op,
+                } => sys::ncclReduceScatter(
+                    send as *const c_void,
+                    recv as *mut c_void,
+                    count,
+                    dtype,
+                    op.raw(),
                     self.comm,
                     stream,
                 ),

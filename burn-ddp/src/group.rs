@@ -15,7 +15,7 @@ use crate::collectives::agreement::Said;
 use crate::collectives::backend::Backends;
 use crate::collectives::{Broadcastable, Gatherable, ReduceOp, Reducible, Transport, Work};
 use crate::env::LaunchEnv;
-use crate::error::Result;
+use crate::error::{DdpError, Result};
 use crate::failure::FailureRecord;
 use crate::status::StatusBoard;
 use crate::store::{Store, StoreServer};
@@ -193,6 +193,52 @@ impl ProcessGroup {
     pub fn all_reduce<B: Reducible>(&self, data: B, op: ReduceOp) -> Work<B> {
         self.all_reduces.fetch_add(1, Ordering::Relaxed);
         data.start_all_reduce(&self.backends, op)
+    }
+
+    /// Starts a reduce-scatter of `data` (PyTorch's `reduce_scatter_tensor`): the ranks' buffers
+    /// are reduced element-wise as by [`Self::all_reduce`], and rank `r` gets the `r`-th of
+    /// `world_size` equal parts of the result, which [`Work::wait`] returns. Each part has
+    /// exactly the bits of the same slice of an all-reduce of the same buffers (on the host
+    /// transports; NCCL makes no such promise between its own algorithms). Every rank must pass
+    /// a buffer of the same type and length, a multiple of the world size (pad it; any other
+    /// length is an [`DdpError::InvalidArgument`] on every rank, and nothing is sent). Parts of
+    /// other lengths: [`Self::reduce_scatter_parts`].
+    ///
+    /// ```no_run
+    /// # fn main() -> burn_ddp::Result<()> {
+    /// # let group = burn_ddp::ProcessGroup::from_env()?;
+    /// let world = group.world_size();
+    /// let grads = vec![1.0f32; 4 * world];
+    /// let mine = group.reduce_scatter(grads, burn_ddp::ReduceOp::Sum).wait()?;
+    /// assert_eq!(mine, vec![world as f32; 4]);
+    /// # Ok(())
+    /// # }
+    /// ```
+    pub fn reduce_scatter<B: Reducible>(&self, data: B, op: ReduceOp) -> Work<B> {
+        let (len, world) = (data.elements(), self.world_size);
+        if !len.is_multiple_of(world) {
+            let reason = format!(
+                "{len} elements do not cut into {world} equal parts: pad the buffer to a \
+                 multiple of the world size, or give the parts (reduce_scatter_parts)"
+            );
+            let op = "reduce_scatter".to_string();
+            let rank = self.rank;
+            return Work::done(rank, Err(DdpError::InvalidArgument { rank, op, reason }));
+        }
+        self.reduce_scatter_parts(data, &vec![len / world; world], op)
+    }
+
+    /// Starts a reduce-scatter in which rank `r` gets `parts[r]` elements (MPI's
+    /// `MPI_Reduce_scatter`): the parts, the same list on every rank, cut the buffer in rank
+    /// order and must sum to its length. On CUDA (NCCL) unequal parts travel padded to the
+    /// longest.
+    pub fn reduce_scatter_parts<B: Reducible>(
+        &self,
+        data: B,
+        parts: &[usize],
+        op: ReduceOp,
+    ) -> Work<B> {
+        data.start_reduce_scatter(&self.backends, parts.to_vec(), op)
     }
 
     /// Starts a broadcast: every rank's buffer (a `Vec` or a `Tensor<1>`) becomes `root`'s.

@@ -14,12 +14,26 @@ pub(crate) mod sealed {
     pub trait Sealed {}
 }
 
-/// A buffer [`ProcessGroup::all_reduce`] can reduce: `Vec<T>` of a [`Reduce`] element type, or
-/// (feature `train`) a flat burn `Tensor<1>` of floats on any device.
+/// A buffer [`ProcessGroup::all_reduce`] and [`ProcessGroup::reduce_scatter`] can reduce:
+/// `Vec<T>` of a [`Reduce`] element type, or (feature `train`) a flat burn `Tensor<1>` of floats
+/// on any device.
 pub trait Reducible: sealed::Sealed + Sized + Send + 'static {
     /// Starts the all-reduce of `self` by its backend (use [`ProcessGroup::all_reduce`]).
     #[doc(hidden)]
     fn start_all_reduce(self, backends: &Backends, op: ReduceOp) -> Work<Self>;
+    /// Starts the reduce-scatter of `self` cut into `parts` (element counts by rank, checked
+    /// to sum to its length by the backend); the result is this rank's part (use
+    /// [`ProcessGroup::reduce_scatter`]).
+    #[doc(hidden)]
+    fn start_reduce_scatter(
+        self,
+        backends: &Backends,
+        parts: Vec<usize>,
+        op: ReduceOp,
+    ) -> Work<Self>;
+    /// Its length in elements.
+    #[doc(hidden)]
+    fn elements(&self) -> usize;
 }
 
 /// A buffer [`ProcessGroup::broadcast`] can send: `Vec<T>` of an element type, or (feature
@@ -48,6 +62,24 @@ impl<T: Reduce> Reducible for Vec<T> {
             return Work::done(backends.rank(), Ok(self));
         }
         backends.submit(move |t| t.all_reduce(&mut self, op).map(|()| self))
+    }
+
+    fn start_reduce_scatter(
+        mut self,
+        backends: &Backends,
+        parts: Vec<usize>,
+        op: ReduceOp,
+    ) -> Work<Self> {
+        backends.submit(move |t| {
+            let mine = t.reduce_scatter(&mut self, &parts, op)?;
+            self.truncate(mine.end);
+            self.drain(..mine.start);
+            Ok(self)
+        })
+    }
+
+    fn elements(&self) -> usize {
+        self.len()
     }
 }
 

@@ -112,7 +112,7 @@ impl Element for f64 {
     const DTYPE: DType = DType::F64;
 }
 
-/// How `all_reduce` combines the ranks' buffers.
+/// How `all_reduce` and `reduce_scatter` combine the ranks' buffers.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum ReduceOp {
     /// Element-wise sum.
@@ -139,6 +139,8 @@ pub(crate) enum OpKind {
     AllGather = 4,
     /// `barrier`.
     Barrier = 5,
+    /// `reduce_scatter`.
+    ReduceScatter = 6,
 }
 
 impl OpKind {
@@ -150,6 +152,7 @@ impl OpKind {
             OpKind::AllGatherSizes => "all_gather (sizes)",
             OpKind::AllGather => "all_gather",
             OpKind::Barrier => "barrier",
+            OpKind::ReduceScatter => "reduce_scatter",
         }
     }
 
@@ -160,6 +163,7 @@ impl OpKind {
             OpKind::AllGatherSizes,
             OpKind::AllGather,
             OpKind::Barrier,
+            OpKind::ReduceScatter,
         ]
         .into_iter()
         .find(|k| *k as u8 == code)

@@ -38,9 +38,12 @@ impl Schedule {
     }
 
     /// The ring over `segments` (one per rank): `steps` steps in which rank r sends segment
-    /// `r - t` and receives segment `r - t - 1` (mod n); the first `reduce_steps` receives
-    /// reduce, the rest copy. All-reduce is `reduce_steps = n - 1, steps = 2(n - 1)`
-    /// (reduce-scatter then all-gather); all-gather is `0, n - 1`.
+    /// `r - t - o` and receives segment `r - t - o - 1` (mod n); the first `reduce_steps`
+    /// receives reduce, the rest copy. A ring that reduces starts one segment back (`o = 1`),
+    /// so that rank r completes segment r: reduce-scatter is `reduce_steps = steps = n - 1`
+    /// (segment `s` starts from rank `s + 1`'s values and ends on rank `s`), all-reduce is
+    /// `n - 1, 2(n - 1)` (reduce-scatter, then all-gather from there); all-gather is `0, n - 1`
+    /// (`o = 0`: rank r starts with its own segment).
     pub(crate) fn ring(
         segments: &[Range<usize>],
         rank: usize,
@@ -49,7 +52,8 @@ impl Schedule {
         chunk: usize,
     ) -> Self {
         let n = segments.len();
-        let seg = |t: usize, shift: usize| (rank + n * (steps + 1) - t - shift) % n;
+        let o = usize::from(reduce_steps > 0);
+        let seg = |t: usize, shift: usize| (rank + n * (steps + 2) - t - shift - o) % n;
         let sends: Vec<_> = (0..steps)
             .flat_map(|t| chunks(segments[seg(t, 0)].clone(), chunk))
             .collect();
@@ -63,7 +67,7 @@ impl Schedule {
                 chunks(segments[seg(t, 1)].clone(), chunk).map(move |r| (r, action))
             })
             .collect();
-        let lag = Some(chunks(segments[rank].clone(), chunk).count());
+        let lag = Some(chunks(segments[seg(0, 0)].clone(), chunk).count());
         Schedule { sends, recvs, lag }
     }
 
@@ -104,11 +108,13 @@ mod tests {
     use super::*;
 
     /// Simulates the ring on `n` ranks, message by message, checking each send is allowed,
-    /// that what rank r sends is what rank r+1 expects, and that the result is the full sum.
-    fn simulate_all_reduce(len: usize, n: usize, chunk_elems: usize) {
-        let segs = balanced(len, n, 1);
+    /// that what rank r sends is what rank r+1 expects, and that the result is the full sum
+    /// (everywhere after an all-reduce, on segment r of rank r after a reduce-scatter).
+    fn simulate(segs: &[Range<usize>], n: usize, chunk_elems: usize, all_reduce: bool) {
+        let len = segs.last().map_or(0, |s| s.end);
+        let steps = if all_reduce { 2 * (n - 1) } else { n - 1 };
         let scheds: Vec<_> = (0..n)
-            .map(|r| Schedule::ring(&segs, r, n - 1, 2 * (n - 1), chunk_elems))
+            .map(|r| Schedule::ring(segs, r, n - 1, steps, chunk_elems))
             .collect();
         let mut data: Vec<Vec<u64>> = (0..n)
             .map(|r| (0..len).map(|i| (i * 10 + r) as u64).collect())
@@ -150,6 +156,9 @@ mod tests {
             );
             assert_eq!(recvd[r], scheds[r].recvs.len());
             for (i, x) in data[r].iter().enumerate() {
+                if !all_reduce && !segs[r].contains(&i) {
+                    continue;
+                }
                 let want: u64 = (0..n).map(|q| (i * 10 + q) as u64).sum();
                 assert_eq!(*x, want, "rank {r} element {i}");
             }
@@ -157,13 +166,25 @@ mod tests {
     }
 
     #[test]
-    fn ring_all_reduce_schedules_are_consistent() {
+    fn ring_all_reduce_and_reduce_scatter_schedules_are_consistent() {
         for n in 2..=5 {
             for len in [0, 1, 2, 7, 13, 64, 101] {
                 for chunk in [1, 3, 64] {
-                    simulate_all_reduce(len, n, chunk);
+                    for all_reduce in [true, false] {
+                        simulate(&balanced(len, n, 1), n, chunk, all_reduce);
+                    }
                 }
             }
+            // Segments of any lengths, empty ones too (a reduce-scatter's parts).
+            let mut segs = Vec::new();
+            let mut start = 0;
+            for r in 0..n {
+                let len = [5, 0, 17, 1, 9][r % 5];
+                segs.push(start..start + len);
+                start += len;
+            }
+            simulate(&segs, n, 4, false);
+            simulate(&segs, n, 4, true);
         }
     }
 

@@ -13,6 +13,7 @@ mod netif;
 mod output;
 mod preemption;
 mod processes;
+mod reduce_scatter;
 mod security;
 mod shm;
 mod soak;

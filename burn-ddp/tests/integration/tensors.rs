@@ -1,6 +1,6 @@
-//! The group's tensor collectives (`all_reduce`, `broadcast`, `all_gather` on `Tensor<1>`) on
-//! real ranks (threads over loopback). The checks take the device, so the same body runs on
-//! `flex` here and on wgpu where that feature is on.
+//! The group's tensor collectives (`all_reduce`, `reduce_scatter`, `broadcast`, `all_gather` on
+//! `Tensor<1>`) on real ranks (threads over loopback). The checks take the device, so the same
+//! body runs on `flex` here and on wgpu where that feature is on.
 
 use burn::tensor::{DType, Device, Tensor, TensorData};
 use burn_ddp::{DdpError, ProcessGroup, ReduceOp};
@@ -78,6 +78,31 @@ pub fn check_tensor_collectives(n: usize, device: fn() -> Device) {
             "rank {rank}: broadcast from {root}"
         );
 
+        // Reduce-scatter: this rank's part, equal parts and given ones.
+        let len = 5 * n;
+        let part = g
+            .reduce_scatter(tensor(values(rank, len), &device), ReduceOp::Sum)
+            .wait()
+            .expect("tensor reduce_scatter");
+        assert_eq!(part.device(), device);
+        let want = g
+            .reduce_scatter(values(rank, len), ReduceOp::Sum)
+            .wait()
+            .unwrap();
+        assert_eq!(host(part), want, "rank {rank}: reduce_scatter");
+        let parts: Vec<usize> = (0..n).map(|r| [3, 0, 8, 1][r % 4]).collect();
+        let total = parts.iter().sum();
+        let part = g
+            .reduce_scatter_parts(tensor(values(rank, total), &device), &parts, ReduceOp::Avg)
+            .wait()
+            .expect("tensor reduce_scatter_parts");
+        let want = g
+            .reduce_scatter_parts(values(rank, total), &parts, ReduceOp::Avg)
+            .wait()
+            .unwrap();
+        assert_eq!(want.len(), parts[rank]);
+        assert_eq!(host(part), want, "rank {rank}: reduce_scatter_parts");
+
         let all = g
             .all_gather(tensor(values(rank, 6), &device))
             .wait()
@@ -122,6 +147,8 @@ fn world_of_one_tensor_collectives_return_the_tensor() {
         let t = tensor(values(0, 4), &device);
         let reduced = g.all_reduce(t.clone(), ReduceOp::Avg).wait().unwrap();
         assert_eq!(host(reduced), values(0, 4));
+        let part = g.reduce_scatter(t.clone(), ReduceOp::Sum).wait().unwrap();
+        assert_eq!(host(part), values(0, 4));
         let gathered = g.all_gather(t).wait().unwrap();
         assert_eq!(gathered.len(), 1);
     });

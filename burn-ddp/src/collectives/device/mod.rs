@@ -197,6 +197,22 @@ impl Reducible for Tensor<1> {
             Err(e) => Work::done(group.rank(), Err(e)),
         }
     }
+
+    fn start_reduce_scatter(self, group: &Backends, parts: Vec<usize>, op: ReduceOp) -> Work<Self> {
+        if group.world() == 1 && parts == [self.elements()] {
+            return Work::done(group.rank(), Ok(self));
+        }
+        match backend(group, &self.device()) {
+            Ok(DeviceBackend::Staged) => staged::reduce_scatter(group, self, parts, op),
+            #[cfg(feature = "nccl")]
+            Ok(DeviceBackend::Nccl(comm)) => nccl::reduce_scatter(group, &comm, self, parts, op),
+            Err(e) => Work::done(group.rank(), Err(e)),
+        }
+    }
+
+    fn elements(&self) -> usize {
+        self.shape().num_elements()
+    }
 }
 
 impl Broadcastable for Tensor<1> {

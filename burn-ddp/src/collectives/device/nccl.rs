@@ -109,13 +109,7 @@ pub(super) fn all_reduce(
     tensor: Tensor<1>,
     op: ReduceOp,
 ) -> Work<Tensor<1>> {
-    let op = match op {
-        ReduceOp::Sum => burn_ddp_nccl::ReduceOp::Sum,
-        ReduceOp::Avg => burn_ddp_nccl::ReduceOp::Avg,
-        ReduceOp::Max => burn_ddp_nccl::ReduceOp::Max,
-        ReduceOp::Min => burn_ddp_nccl::ReduceOp::Min,
-    };
-    let started = comm.start_all_reduce(tensor, op);
+    let started = comm.start_all_reduce(tensor, nccl_op(op));
     group.on_worker(move |w| wait(w, "NCCL all_reduce", started))
 }
 
@@ -140,11 +134,11 @@ pub(super) fn all_gather(
 ) -> Work<Vec<Tensor<1>>> {
     let world = group.world();
     let n = tensor.shape().num_elements();
-    let shape = gather_shape(n, tensor.dtype());
+    let shape = gather_shape(n, &format!("{:?}", tensor.dtype()));
     let started = comm.start_all_gather(tensor);
     group.on_worker(move |w| {
         let said = w.gather_said(&shape)?;
-        if let Some(reason) = shape_mismatch(&said) {
+        if let Some(reason) = shape_mismatch(&said, "gathers") {
             return Err(invalid(w.rank(), "all_gather", reason));
         }
         let all = wait(w, "NCCL all_gather", started)?;
@@ -154,9 +148,68 @@ pub(super) fn all_gather(
     })
 }
 
-/// What every rank's all-gather input must share: its length and element type.
-fn gather_shape(n: usize, dtype: burn::tensor::DType) -> Vec<u8> {
-    let dtype = format!("{dtype:?}");
+/// Starts a reduce-scatter into `parts` (`ncclReduceScatter`): every rank's length, element
+/// type and parts are compared first (through the host transport, in the same job). Unequal
+/// parts travel padded with zeros to the longest, as NCCL cuts a buffer in equal parts only.
+pub(super) fn reduce_scatter(
+    group: &Backends,
+    comm: &NcclComm,
+    tensor: Tensor<1>,
+    parts: Vec<usize>,
+    op: ReduceOp,
+) -> Work<Tensor<1>> {
+    let (rank, n, dtype) = (group.rank(), tensor.shape().num_elements(), tensor.dtype());
+    let shape = gather_shape(n, &format!("{dtype:?} in parts {parts:?}"));
+    let valid = parts.len() == group.world() && parts.iter().sum::<usize>() == n;
+    let longest = parts.iter().copied().max().unwrap_or(0);
+    let padded = if !valid || parts.iter().all(|&p| p == longest) {
+        tensor
+    } else {
+        let device = tensor.device();
+        let mut start = 0;
+        let pieces = (parts.iter())
+            .flat_map(|&p| {
+                let piece = tensor.clone().narrow(0, start, p);
+                start += p;
+                let pad = (p < longest).then(|| Tensor::zeros([longest - p], (&device, dtype)));
+                std::iter::once(piece).chain(pad)
+            })
+            .collect();
+        Tensor::cat(pieces, 0)
+    };
+    let started = if valid {
+        Some(comm.start_reduce_scatter(padded, nccl_op(op)))
+    } else {
+        None
+    };
+    let own = parts.get(rank).copied().unwrap_or(0);
+    group.on_worker(move |w| {
+        let said = w.gather_said(&shape)?;
+        if let Some(reason) = shape_mismatch(&said, "reduce-scatters") {
+            return Err(invalid(w.rank(), "reduce_scatter", reason));
+        }
+        let Some(started) = started else {
+            let reason = format!("parts {parts:?} do not cut {n} elements among the ranks");
+            return Err(invalid(w.rank(), "reduce_scatter", reason));
+        };
+        let part = wait(w, "NCCL reduce_scatter", started)?;
+        Ok(part.narrow(0, 0, own))
+    })
+}
+
+/// NCCL's reduction for `op`.
+fn nccl_op(op: ReduceOp) -> burn_ddp_nccl::ReduceOp {
+    match op {
+        ReduceOp::Sum => burn_ddp_nccl::ReduceOp::Sum,
+        ReduceOp::Avg => burn_ddp_nccl::ReduceOp::Avg,
+        ReduceOp::Max => burn_ddp_nccl::ReduceOp::Max,
+        ReduceOp::Min => burn_ddp_nccl::ReduceOp::Min,
+    }
+}
+
+/// What every rank's input must share: its length and element type (with, for a
+/// reduce-scatter, its parts), as `dtype` says it.
+fn gather_shape(n: usize, dtype: &str) -> Vec<u8> {
     Writer::default()
         .u64(n as u64)
         .bytes(dtype.as_bytes())
@@ -164,8 +217,9 @@ fn gather_shape(n: usize, dtype: burn::tensor::DType) -> Vec<u8> {
         .clone()
 }
 
-/// The first disagreement of the gathered shapes with rank 0's, in words.
-fn shape_mismatch(said: &Said) -> Option<String> {
+/// The first disagreement of the gathered shapes with rank 0's, in words (`verb`: what the
+/// ranks do with them, "gathers").
+fn shape_mismatch(said: &Said, verb: &str) -> Option<String> {
     let other = *said.differing().first()?;
     let words = |r: usize| {
         let mut reader = Reader::new(&said.all[r]);
@@ -175,8 +229,8 @@ fn shape_mismatch(said: &Said) -> Option<String> {
         }
     };
     Some(format!(
-        "rank 0 gathers {} but rank {other} {}: tensors gathered must have the same length and \
-         element type on every rank",
+        "rank 0 {verb} {} but rank {other} {}: the tensors must have the same length and element \
+         type on every rank",
         words(0),
         words(other)
     ))
@@ -225,18 +279,19 @@ mod tests {
         let said = |shapes: &[Vec<u8>]| Said {
             all: shapes.to_vec(),
         };
-        let mine = gather_shape(10, DType::BF16);
+        let shape = |n, dtype: DType| gather_shape(n, &format!("{dtype:?}"));
+        let mine = shape(10, DType::BF16);
         let same = said(&[mine.clone(), mine.clone(), mine.clone()]);
-        assert_eq!(shape_mismatch(&same), None);
+        assert_eq!(shape_mismatch(&same, "gathers"), None);
         // Same bytes, other type: 10 bf16 against 5 f32.
-        let other = said(&[mine.clone(), gather_shape(5, DType::F32)]);
+        let other = said(&[mine.clone(), shape(5, DType::F32)]);
         assert_eq!(
-            shape_mismatch(&other).unwrap(),
-            "rank 0 gathers 10 x BF16 but rank 1 5 x F32: tensors gathered must have the same \
-             length and element type on every rank"
+            shape_mismatch(&other, "gathers").unwrap(),
+            "rank 0 gathers 10 x BF16 but rank 1 5 x F32: the tensors must have the same length \
+             and element type on every rank"
         );
-        let typed = said(&[gather_shape(10, DType::F16), mine.clone(), mine]);
-        let message = shape_mismatch(&typed).unwrap();
+        let typed = said(&[shape(10, DType::F16), mine.clone(), mine]);
+        let message = shape_mismatch(&typed, "gathers").unwrap();
         assert!(
             message.contains("rank 0 gathers 10 x F16 but rank 1 10 x BF16"),
             "{message}"

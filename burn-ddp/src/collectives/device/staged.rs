@@ -35,6 +35,34 @@ pub(super) fn all_reduce(group: &Backends, tensor: Tensor<1>, op: ReduceOp) -> W
     })
 }
 
+/// Starts the reduce-scatter of a float tensor through the host: this rank's part of `parts`.
+pub(super) fn reduce_scatter(
+    group: &Backends,
+    tensor: Tensor<1>,
+    parts: Vec<usize>,
+    op: ReduceOp,
+) -> Work<Tensor<1>> {
+    group.on_worker(move |w| {
+        let (device, dtype) = (tensor.device(), tensor.dtype());
+        let mut data = read_back(w, "reduce_scatter", tensor)?;
+        let mine = match dtype {
+            DType::F32 => scatter::<f32>(w, &mut data, &parts, op)?,
+            DType::F64 => scatter::<f64>(w, &mut data, &parts, op)?,
+            DType::F16 => scatter::<f16>(w, &mut data, &parts, op)?,
+            DType::BF16 => scatter::<bf16>(w, &mut data, &parts, op)?,
+            other => {
+                let cause =
+                    format!("reduce_scatter of a tensor: element type {other:?} cannot be reduced");
+                return Err(w.fail_here("reduce_scatter of a tensor".into(), cause));
+            }
+        };
+        let elem = dtype.size();
+        let bytes = data.as_bytes()[mine.start * elem..mine.end * elem].to_vec();
+        let part = TensorData::from_bytes_vec(bytes, [mine.len()], dtype);
+        Ok(Tensor::from_data(part, (&device, dtype)))
+    })
+}
+
 /// Starts the broadcast of a tensor from `root` through the host.
 pub(super) fn broadcast(group: &Backends, tensor: Tensor<1>, root: usize) -> Work<Tensor<1>> {
     group.on_worker(move |w| {
@@ -83,6 +111,25 @@ fn read_back(w: &mut Worker, op: &str, tensor: Tensor<1>) -> Result<TensorData> 
         let cause = format!("reading a tensor back from its device failed: {e:?}");
         w.fail_here(format!("{op} of a tensor"), cause)
     })
+}
+
+/// Reduce-scatters `data`, of element type `T`, into `parts`: the element range of this rank's.
+fn scatter<T: Reduce + burn::tensor::Element>(
+    w: &mut Worker,
+    data: &mut TensorData,
+    parts: &[usize],
+    op: ReduceOp,
+) -> Result<std::ops::Range<usize>> {
+    match data.as_mut_slice::<T>() {
+        Ok(values) => w.run(|t| t.reduce_scatter(values, parts, op)),
+        Err(e) => {
+            let cause = format!(
+                "a tensor's data cannot be read as {}: {e:?}",
+                T::DTYPE.name()
+            );
+            Err(w.fail_here("reduce_scatter of a tensor".into(), cause))
+        }
+    }
 }
 
 /// Sums (or as `op` says) `data`, of element type `T`, across the ranks.

@@ -7,14 +7,16 @@
 //!   host, and on several hosts the hierarchical all-reduce (shared memory within each host, a
 //!   TCP ring across hosts, see `net`).
 //!
-//! All-reduce is a ring reduce-scatter followed by a ring all-gather; broadcast is a pipelined
-//! chain from the root; all-gather and barrier are ring all-gathers (a barrier of empty blocks).
+//! All-reduce is a ring reduce-scatter followed by a ring all-gather (reduce-scatter is its first
+//! half alone); broadcast is a pipelined chain from the root; all-gather and barrier are ring
+//! all-gathers (a barrier of empty blocks).
 //!
 //! It does not report the rank's status: whoever runs it (the collective thread) is told of
 //! each operation as it starts and ends through a [`Progress`] hook.
 
 mod net;
 
+use std::ops::Range;
 use std::time::Duration;
 
 use self::net::Net;
@@ -197,6 +199,16 @@ impl HostTransport {
     pub(crate) fn all_reduce<T: Reduce>(&mut self, data: &mut [T], op: ReduceOp) -> OpResult<()> {
         let bytes = std::mem::size_of_val(data);
         let desc = self.begin(OpKind::AllReduce, T::DTYPE, bytes)?;
+        self.all_reduce_as(&desc, data, op)
+    }
+
+    /// The all-reduce of `data` as operation `desc`.
+    fn all_reduce_as<T: Reduce>(
+        &mut self,
+        desc: &OpDesc,
+        data: &mut [T],
+        op: ReduceOp,
+    ) -> OpResult<()> {
         let n = self.world;
         if n == 1 {
             return Ok(());
@@ -215,8 +227,8 @@ impl HostTransport {
                     cross_op,
                 );
             };
-            return self.on_shm(&desc, Some((elem, &mut across)), |c, net| {
-                c.all_reduce(&desc, data, op, net)
+            return self.on_shm(desc, Some((elem, &mut across)), |c, net| {
+                c.all_reduce(desc, data, op, net)
             });
         }
         let segments = balanced(data.len(), n, elem);
@@ -227,14 +239,62 @@ impl HostTransport {
             2 * (n - 1),
             self.chunk_for(elem),
         );
-        let mut reduce = |acc: &mut [u8], other: &[u8], last: bool| {
-            let acc: &mut [T] = bytemuck::cast_slice_mut(acc);
-            T::combine(acc, bytemuck::cast_slice(other), op);
-            if last && op == ReduceOp::Avg {
-                T::divide(acc, n);
+        self.execute(
+            desc,
+            bytemuck::cast_slice_mut(data),
+            &sched,
+            &mut reducer::<T>(op, n),
+        )
+    }
+
+    /// Reduce-scatter: every rank's `data` is cut into `parts` (element counts, by rank, that
+    /// sum to its length) and this rank's part is reduced across the ranks, in place; the
+    /// range of `data` it covers is returned (the rest holds partial results). The ring is the
+    /// all-reduce's first half and shared memory reduces as its all-reduce does, so where the
+    /// parts are the all-reduce's segments (equal parts, as [`crate::ProcessGroup`] asks for)
+    /// the part has the all-reduce's bits. On several hosts sharing memory, it is the
+    /// hierarchical all-reduce, of which this rank keeps its part.
+    pub(crate) fn reduce_scatter<T: Reduce>(
+        &mut self,
+        data: &mut [T],
+        parts: &[usize],
+        op: ReduceOp,
+    ) -> OpResult<Range<usize>> {
+        let bytes = std::mem::size_of_val(data);
+        let desc = self.begin(OpKind::ReduceScatter, T::DTYPE, bytes)?;
+        let n = self.world;
+        let total = parts.iter().try_fold(0usize, |a, p| a.checked_add(*p));
+        if parts.len() != n || total != Some(data.len()) {
+            let reason = format!(
+                "{} parts of {parts:?} elements do not cut a buffer of {} elements among {n} ranks",
+                parts.len(),
+                data.len()
+            );
+            return Err(OpError::Invalid { op: desc, reason });
+        }
+        let elem = size_of::<T>();
+        let mut bounds = Vec::with_capacity(n);
+        let mut start = 0;
+        for p in parts {
+            bounds.push(start * elem..(start + p) * elem);
+            start += p;
+        }
+        let mine = bounds[self.rank].start / elem..bounds[self.rank].end / elem;
+        if n == 1 {
+            return Ok(mine);
+        }
+        match &self.shm {
+            Some(c) if c.spans_hosts() => self.all_reduce_as(&desc, data, op)?,
+            Some(_) => self.on_shm(&desc, None, |c, net| {
+                c.reduce_scatter(&desc, data, &bounds, op, net)
+            })?,
+            None => {
+                let sched = Schedule::ring(&bounds, self.rank, n - 1, n - 1, self.chunk_for(elem));
+                let buf = bytemuck::cast_slice_mut(data);
+                self.execute(&desc, buf, &sched, &mut reducer::<T>(op, n))?;
             }
-        };
-        self.execute(&desc, bytemuck::cast_slice_mut(data), &sched, &mut reduce)
+        }
+        Ok(mine)
     }
 
     /// Pipelined broadcast from `root` along the ring.
@@ -363,6 +423,18 @@ impl HostTransport {
     pub(crate) fn leave(&mut self) {
         if !self.broken {
             self.engine.leave();
+        }
+    }
+}
+
+/// How the ring combines a received chunk of `T`s with the rank's own: `op`, and the division of
+/// an average of `n` ranks once the last contribution is in.
+fn reducer<T: Reduce>(op: ReduceOp, n: usize) -> impl FnMut(&mut [u8], &[u8], bool) {
+    move |acc: &mut [u8], other: &[u8], last: bool| {
+        let acc: &mut [T] = bytemuck::cast_slice_mut(acc);
+        T::combine(acc, bytemuck::cast_slice(other), op);
+        if last && op == ReduceOp::Avg {
+            T::divide(acc, n);
         }
     }
 }

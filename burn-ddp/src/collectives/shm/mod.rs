@@ -266,8 +266,13 @@ fn describe((kind, seq, dtype, bytes): (u64, u64, u64, u64), aux: u64) -> String
                 dtype,
                 bytes,
             };
+            let reduce = ["sum", "avg", "max", "min"]
+                .get((aux & 0xff) as usize)
+                .unwrap_or(&"an unknown reduction");
             match kind {
                 OpKind::Broadcast => format!("{op} from root {aux}"),
+                OpKind::AllReduce => format!("{op} ({reduce})"),
+                OpKind::ReduceScatter => format!("{op} ({reduce}, parts {:014x})", aux >> 8),
                 _ => op.to_string(),
             }
         }

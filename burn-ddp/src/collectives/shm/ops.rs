@@ -1,6 +1,6 @@
 //! The collectives over the shared-memory segment: all-reduce (bit-identical to the TCP ring on
-//! one host, hierarchical on several), broadcast, all-gather and barrier, each in rounds of steps
-//! (see the module above).
+//! one host, hierarchical on several), reduce-scatter (on one host), broadcast, all-gather and
+//! barrier, each in rounds of steps (see the module above).
 
 use std::ops::Range;
 
@@ -19,10 +19,11 @@ fn piece_of(range: &Range<usize>, round: usize, piece: usize) -> Range<usize> {
 
 impl ShmChannel {
     /// All-reduce of `data` for `op`: every element is reduced by one rank of the host, in the
-    /// TCP ring's order for its segment (segment `s` starts from rank `s`'s value and adds ranks
-    /// `s + 1`, `s + 2`, ... each on the left), so on one host every rank gets the bits the TCP
-    /// transport gives. On several hosts each reduced piece is all-reduced across the hosts
-    /// before it goes to the result area (an average is summed and divided once at the end).
+    /// TCP ring's order for its segment (segment `s` starts from rank `s + 1`'s value and adds
+    /// ranks `s + 2`, `s + 3`, ..., `s` each on the left), so on one host every rank gets the
+    /// bits the TCP transport gives. On several hosts each reduced piece is all-reduced across
+    /// the hosts before it goes to the result area (an average is summed and divided once at
+    /// the end).
     pub(crate) fn all_reduce<T: Reduce>(
         &mut self,
         desc: &OpDesc,
@@ -30,18 +31,50 @@ impl ShmChannel {
         op: ReduceOp,
         net: &mut dyn Peers,
     ) -> Result<(), Fault> {
-        let (n, me, elem) = (self.world, self.rank, size_of::<T>());
+        let segments = balanced(data.len(), self.world, size_of::<T>());
+        self.reduce_rounds(desc, data, &segments, op, net, true)
+    }
+
+    /// Reduce-scatter of `data` for `op` on one host: rank `s` reduces byte range `parts[s]` of
+    /// every rank's buffer into its own, as the all-reduce reduces its segment (so with the
+    /// all-reduce's segments, the same bits); the rest of `data` is left as it was.
+    pub(crate) fn reduce_scatter<T: Reduce>(
+        &mut self,
+        desc: &OpDesc,
+        data: &mut [T],
+        parts: &[Range<usize>],
+        op: ReduceOp,
+        net: &mut dyn Peers,
+    ) -> Result<(), Fault> {
+        debug_assert!(!self.spans_hosts(), "a reduce-scatter on one host only");
+        self.reduce_rounds(desc, data, parts, op, net, false)
+    }
+
+    /// The rounds of an all-reduce (`share`: every rank gets every reduced segment) or a
+    /// reduce-scatter (each rank keeps its own): in each round every rank copies a piece of each
+    /// peer's segment into its slot, reduces the pieces of its own segment from every slot and,
+    /// when sharing, publishes the result for the others to copy out.
+    fn reduce_rounds<T: Reduce>(
+        &mut self,
+        desc: &OpDesc,
+        data: &mut [T],
+        segments: &[Range<usize>],
+        op: ReduceOp,
+        net: &mut dyn Peers,
+        share: bool,
+    ) -> Result<(), Fault> {
+        let (n, me) = (self.world, self.rank);
         let local_op = match op {
             ReduceOp::Avg if self.spans_hosts() => ReduceOp::Sum,
             op => op,
         };
-        let segments = balanced(data.len(), n, elem);
+        let operand = op as u64 | fingerprint(segments) << 8;
         let piece = self.layout.piece;
         let longest = segments.iter().map(|s| s.len()).max().unwrap_or(0);
         let rounds = longest.div_ceil(piece).max(1);
         let bytes: &mut [u8] = bytemuck::cast_slice_mut(data);
         let (slot, result) = (self.layout.slot(me), self.layout.result());
-        self.scratch.resize(REDUCE_CHUNK / 8, 0);
+        self.scratch.resize(2 * REDUCE_CHUNK / 8, 0);
         for round in 0..rounds {
             for (s, seg) in segments.iter().enumerate() {
                 if s != me {
@@ -50,11 +83,11 @@ impl ShmChannel {
                 }
             }
             if round == 0 {
-                self.publish(desc, op as u64);
+                self.publish(desc, operand);
             }
             self.step(net)?;
             if round == 0 {
-                self.check_ops(desc, op as u64, true)?;
+                self.check_ops(desc, operand, true)?;
             }
             let mine = piece_of(&segments[me], round, piece);
             self.reduce_piece::<T>(&mut bytes[mine.clone()], local_op);
@@ -67,8 +100,13 @@ impl ShmChannel {
                     n * self.hosts,
                 );
             }
-            self.map.write(result + me * piece, &bytes[mine]);
+            if share {
+                self.map.write(result + me * piece, &bytes[mine]);
+            }
             self.step(net)?;
+            if !share {
+                continue;
+            }
             for (s, seg) in segments.iter().enumerate() {
                 if s != me {
                     let r = piece_of(seg, round, piece);
@@ -80,26 +118,34 @@ impl ShmChannel {
     }
 
     /// Reduces this rank's piece of the round (`acc`, this rank's values) in place with the
-    /// peers' copies in their slots, chunk by chunk, in the ring's order: each peer's chunk comes
-    /// into the cache-sized scratch, takes the partial result on its right, and goes back.
+    /// peers' copies in their slots, chunk by chunk, in the ring's order: the partial result
+    /// starts from the next rank's chunk, each later peer's chunk comes into the cache-sized
+    /// scratch and takes the partial result on its right, and this rank's own values come last,
+    /// on the left.
     fn reduce_piece<T: Reduce>(&mut self, acc: &mut [u8], op: ReduceOp) {
         let (n, me, piece) = (self.world, self.rank, self.layout.piece);
         let scratch: &mut [u8] = bytemuck::cast_slice_mut(&mut self.scratch);
+        let (part, other) = scratch.split_at_mut(REDUCE_CHUNK);
+        let at = |peer: usize, off: usize| self.layout.slot(peer) + me * piece + off;
         let mut off = 0;
         while off < acc.len() {
             let len = (acc.len() - off).min(REDUCE_CHUNK);
-            let (acc, other) = (&mut acc[off..off + len], &mut scratch[..len]);
-            for k in 1..n {
-                let peer = (me + k) % n;
-                self.map
-                    .read(self.layout.slot(peer) + me * piece + off, other);
+            let (part, other) = (&mut part[..len], &mut other[..len]);
+            self.map.read(at((me + 1) % n, off), part);
+            for k in 2..n {
+                self.map.read(at((me + k) % n, off), other);
                 T::combine(
                     bytemuck::cast_slice_mut(other),
-                    bytemuck::cast_slice(acc),
+                    bytemuck::cast_slice(part),
                     op,
                 );
-                acc.copy_from_slice(other);
+                part.copy_from_slice(other);
             }
+            T::combine(
+                bytemuck::cast_slice_mut(&mut acc[off..off + len]),
+                bytemuck::cast_slice(part),
+                op,
+            );
             off += len;
         }
     }
@@ -186,6 +232,18 @@ impl ShmChannel {
         self.step(net)?;
         self.check_ops(desc, 0, true).map(|_| ())
     }
+}
+
+/// A 56-bit fingerprint of how a buffer is cut, compared across the ranks with the operation
+/// (ranks that cut it differently would reduce unrelated bytes).
+fn fingerprint(segments: &[Range<usize>]) -> u64 {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for s in segments {
+        for x in [s.start as u64, s.end as u64] {
+            h = (h ^ x).wrapping_mul(0x0000_0100_0000_01b3);
+        }
+    }
+    h >> 8
 }
 
 #[cfg(test)]
