@@ -1,13 +1,18 @@
-//! Rank program of `cargo xtask bench-collectives`: times all-reduce over the TCP or the
-//! shared-memory transport for
-//! message sizes from 4 KiB to 256 MiB and prints, on rank 0, median time, algorithm and bus
-//! bandwidth, and the ratio of bus bandwidth to a memcpy measured in the same run.
+//! Rank program of `cargo xtask bench-collectives`: times all-reduce and reduce-scatter over the
+//! TCP or the shared-memory transport for message sizes from 4 KiB to 256 MiB and prints, on
+//! rank 0, median time, algorithm and bus bandwidth, and the ratio of bus bandwidth to a memcpy
+//! measured in the same run.
+//!
+//! Bus bandwidth is defined as nccl-tests define it, so that it compares with the link's speed
+//! whatever the collective: a size `S` is the whole buffer each rank gives (for reduce-scatter,
+//! all the parts), algbw is `S / time`, and busbw is algbw times `2(n-1)/n` for all-reduce and
+//! `(n-1)/n` for reduce-scatter (the bytes each rank must send, over `S`).
 //!
 //! Run it under a launcher (`burn-ddp-run --nproc 2 target/release/examples/bench_collectives`)
 //! or through `cargo xtask bench-collectives --world 2`; it forms its group from the
 //! launcher's environment. Flags (`--help`): `--sizes 4K,64M`, `--chunk 512K`, `--spin-us 20`,
 //! `--op sum|avg|max`, `--transport tcp|shm|auto`, `--shm-slot 1M`, `--dtype f32|bf16`,
-//! `--report FILE`.
+//! `--collectives all-reduce,reduce-scatter`, `--report FILE`.
 //!
 //! With `--dtype bf16` a size `S` stands for `S` bytes of f32 gradients sent compressed, as
 //! DdpLearner's `Compression::Bf16` sends them: an all-reduce of `S / 2` bytes of bf16. Its
@@ -91,7 +96,15 @@ struct Args {
     /// all-reduce of S/2 bytes of bf16; figures are of the S bytes of f32)
     #[arg(long, value_enum, default_value_t = Dtype::F32)]
     dtype: Dtype,
-    /// Rank 0 also writes its figures to this file, one line per size:
+    /// Collectives to time, comma-separated, each in a table of its own
+    #[arg(
+        long,
+        value_enum,
+        value_delimiter = ',',
+        default_value = "all-reduce,reduce-scatter"
+    )]
+    collectives: Vec<Collective>,
+    /// Rank 0 also writes its all-reduce figures to this file, one line per size:
     /// `bytes median_us busbw_gbps` (for `cargo xtask bench-collectives --gloo`); with
     /// `--dtype bf16`, bytes are the f32 bytes the bf16 stand for
     #[arg(long, value_name = "FILE")]
@@ -111,9 +124,38 @@ enum Dtype {
     Bf16,
 }
 
-/// Times `iters` all-reduces of `elems` elements of `T` after a warm-up; this rank's median.
-fn time_all_reduce<T>(
+/// The collectives the benchmark times.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+enum Collective {
+    /// `all_reduce`: busbw = algbw x 2(n-1)/n.
+    AllReduce,
+    /// `reduce_scatter` in equal parts: busbw = algbw x (n-1)/n.
+    ReduceScatter,
+}
+
+impl Collective {
+    fn name(self) -> &'static str {
+        match self {
+            Collective::AllReduce => "all-reduce",
+            Collective::ReduceScatter => "reduce-scatter",
+        }
+    }
+
+    /// busbw over algbw on `n` ranks (nccl-tests' factors).
+    fn bus_factor(self, n: usize) -> f64 {
+        let n = n as f64;
+        match self {
+            Collective::AllReduce => 2.0 * (n - 1.0) / n,
+            Collective::ReduceScatter => (n - 1.0) / n,
+        }
+    }
+}
+
+/// Times `iters` runs of `collective` on `elems` elements of `T` after a warm-up; this rank's
+/// median.
+fn time_collective<T>(
     group: &burn_ddp::ProcessGroup,
+    collective: Collective,
     elems: usize,
     iters: usize,
     op: ReduceOp,
@@ -122,16 +164,21 @@ where
     T: burn_ddp::Reduce + Default + Clone,
     Vec<T>: burn_ddp::Reducible,
 {
-    let mut buf = vec![T::default(); elems];
-    for _ in 0..(iters / 4).max(2) {
-        buf = group.all_reduce(buf, op).wait()?;
-    }
-    let mut times = Vec::with_capacity(iters);
-    for _ in 0..iters {
+    let buf = vec![T::default(); elems];
+    let run = |buf: Vec<T>| -> anyhow::Result<Duration> {
         let t = Instant::now();
-        buf = group.all_reduce(buf, op).wait()?;
-        times.push(t.elapsed());
+        match collective {
+            Collective::AllReduce => drop(group.all_reduce(buf, op).wait()?),
+            Collective::ReduceScatter => drop(group.reduce_scatter(buf, op).wait()?),
+        }
+        Ok(t.elapsed())
+    };
+    for _ in 0..(iters / 4).max(2) {
+        run(buf.clone())?;
     }
+    let times = (0..iters)
+        .map(|_| run(buf.clone()))
+        .collect::<anyhow::Result<Vec<_>>>()?;
     Ok(median(times))
 }
 
@@ -173,49 +220,60 @@ fn main() -> anyhow::Result<()> {
     let memcpy = if rank == 0 { memcpy_gbps(largest) } else { 0.0 };
     group.barrier().wait()?;
     if rank == 0 {
-        println!(
-            "burn-ddp all-reduce ({}), world {n}, {} {:?}, chunk {}, spin {:?}",
-            group.transport(),
-            match args.dtype {
-                Dtype::F32 => "f32",
-                Dtype::Bf16 => "bf16 (sizes, algbw, busbw: of the f32 bytes they stand for)",
-            },
-            op,
-            human(args.chunk),
-            spin
-        );
         println!("memcpy ({}, one thread): {memcpy:.2} GB/s", human(largest));
-        println!(
-            "{:>9} {:>6} {:>12} {:>12} {:>12} {:>13}",
-            "size", "iters", "median(us)", "algbw(GB/s)", "busbw(GB/s)", "busbw/memcpy"
-        );
     }
     let mut report = String::new();
-    for &size in &args.sizes {
-        let elems = (size / 4).max(1);
-        // The same count on every rank, so that all ranks run the same collectives.
-        let iters = ((2usize << 30) / size.max(1)).clamp(5, 200);
-        let mine = match args.dtype {
-            Dtype::F32 => time_all_reduce::<f32>(&group, elems, iters, op)?,
-            Dtype::Bf16 => time_all_reduce::<half::bf16>(&group, elems, iters, op)?,
-        };
-        // The slowest rank's median is the operation's time.
-        let mine = mine.as_secs_f64();
-        let t = group.all_reduce(vec![mine], ReduceOp::Max).wait()?[0];
+    for &collective in &args.collectives {
         if rank == 0 {
-            let bytes = (elems * 4) as f64;
-            let algbw = bytes / t / 1e9;
-            let busbw = algbw * 2.0 * (n as f64 - 1.0) / n as f64;
             println!(
-                "{:>9} {:>6} {:>12.1} {:>12.3} {:>12.3} {:>13.3}",
-                human(elems * 4),
-                iters,
-                t * 1e6,
-                algbw,
-                busbw,
-                busbw / memcpy
+                "burn-ddp {} ({}), world {n}, {} {:?}, chunk {}, spin {:?}",
+                collective.name(),
+                group.transport(),
+                match args.dtype {
+                    Dtype::F32 => "f32",
+                    Dtype::Bf16 => "bf16 (sizes, algbw, busbw: of the f32 bytes they stand for)",
+                },
+                op,
+                human(args.chunk),
+                spin
             );
-            report.push_str(&format!("{} {:.3} {busbw:.6}\n", elems * 4, t * 1e6));
+            println!(
+                "{:>9} {:>6} {:>12} {:>12} {:>12} {:>13}",
+                "size", "iters", "median(us)", "algbw(GB/s)", "busbw(GB/s)", "busbw/memcpy"
+            );
+        }
+        for &size in &args.sizes {
+            // A reduce-scatter cuts the buffer in equal parts.
+            let elems = match collective {
+                Collective::AllReduce => (size / 4).max(1),
+                Collective::ReduceScatter => (size / 4 / n).max(1) * n,
+            };
+            // The same count on every rank, so that all ranks run the same collectives.
+            let iters = ((2usize << 30) / size.max(1)).clamp(5, 200);
+            let mine = match args.dtype {
+                Dtype::F32 => time_collective::<f32>(&group, collective, elems, iters, op)?,
+                Dtype::Bf16 => time_collective::<half::bf16>(&group, collective, elems, iters, op)?,
+            };
+            // The slowest rank's median is the operation's time.
+            let mine = mine.as_secs_f64();
+            let t = group.all_reduce(vec![mine], ReduceOp::Max).wait()?[0];
+            if rank == 0 {
+                let bytes = (elems * 4) as f64;
+                let algbw = bytes / t / 1e9;
+                let busbw = algbw * collective.bus_factor(n);
+                println!(
+                    "{:>9} {:>6} {:>12.1} {:>12.3} {:>12.3} {:>13.3}",
+                    human(elems * 4),
+                    iters,
+                    t * 1e6,
+                    algbw,
+                    busbw,
+                    busbw / memcpy
+                );
+                if collective == Collective::AllReduce {
+                    report.push_str(&format!("{} {:.3} {busbw:.6}\n", elems * 4, t * 1e6));
+                }
+            }
         }
     }
     if let (0, Some(path)) = (rank, &args.report) {

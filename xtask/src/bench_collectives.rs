@@ -1,5 +1,5 @@
-//! `bench-collectives`: the all-reduce benchmark on N rank processes, optionally against PyTorch
-//! gloo's in the same run (and, with `--hosts`, across hosts of network namespaces: see
+//! `bench-collectives`: the all-reduce and reduce-scatter benchmark on N rank processes,
+//! optionally with PyTorch gloo's all-reduce in the same run (and, with `--hosts`, across hosts of network namespaces: see
 //! `cluster::bench_across_hosts`). It prints figures, it does not pass or fail; it builds in the
 //! release profile unless given `--debug` (the smoke test's way to run it quickly).
 
@@ -12,7 +12,8 @@ use clap::Args;
 
 use crate::build::build_cpu_program;
 
-/// The all-reduce benchmark on N rank processes: time, algbw and busbw against memcpy.
+/// The all-reduce and reduce-scatter benchmark on N rank processes: time, algbw and busbw
+/// against memcpy.
 #[derive(Debug, Args)]
 pub struct BenchCollectives {
     /// Rank processes
@@ -30,6 +31,10 @@ pub struct BenchCollectives {
     /// Reduction operator [default: sum]
     #[arg(long, value_parser = ["sum", "avg", "max"])]
     op: Option<String>,
+    /// Collectives to time, comma-separated (all-reduce, reduce-scatter; busbw as nccl-tests
+    /// define it for each) [default: both]
+    #[arg(long, value_name = "LIST")]
+    collectives: Option<String>,
     /// Transport of the collectives [default: auto, shared memory on one host]
     #[arg(long, value_parser = ["tcp", "shm", "auto"])]
     transport: Option<String>,
@@ -68,6 +73,7 @@ impl BenchCollectives {
             ("--chunk", &self.chunk),
             ("--spin-us", &spin),
             ("--op", &self.op),
+            ("--collectives", &self.collectives),
         ] {
             if let Some(v) = value {
                 out.extend([name.to_string(), v.clone()]);
