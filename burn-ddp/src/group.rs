@@ -241,6 +241,18 @@ impl ProcessGroup {
         data.start_reduce_scatter(&self.backends, parts.to_vec(), op)
     }
 
+    /// Starts an all-gather of flat tensors of the lengths `parts` (rank `r`'s has `parts[r]`
+    /// elements; the same list on every rank): every rank's, concatenated in rank order (MPI's
+    /// `MPI_Allgatherv`). The sharded optimizer's way back from [`Self::reduce_scatter_parts`].
+    #[cfg(feature = "train")]
+    pub(crate) fn all_gather_parts(
+        &self,
+        tensor: burn::tensor::Tensor<1>,
+        parts: &[usize],
+    ) -> Work<burn::tensor::Tensor<1>> {
+        crate::collectives::device::all_gather_parts(&self.backends, tensor, parts.to_vec())
+    }
+
     /// Starts a broadcast: every rank's buffer (a `Vec` or a `Tensor<1>`) becomes `root`'s.
     /// Lengths must match.
     pub fn broadcast<B: Broadcastable>(&self, data: B, root: usize) -> Work<B> {

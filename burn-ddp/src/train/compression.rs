@@ -16,7 +16,7 @@ use burn::tensor::{DType, Device, Tensor, TensorData};
 use half::{bf16, f16};
 
 use crate::ProcessGroup;
-use crate::collectives::{ReduceOp, Work};
+use crate::collectives::{ReduceOp, Reducible, Work};
 use crate::error::{DdpError, Result};
 
 /// The format gradient buckets travel in.
@@ -57,22 +57,29 @@ impl Compression {
         }
     }
 
-    /// Starts the all-reduce of a bucket's gradients (`f32`, on `device`) in this format:
-    /// divided by the world size, cast (on the device if it has the format, else on the host),
-    /// summed across `group`.
+    /// Starts the all-reduce of a bucket's gradients (`f32`, on `device`) in this format, or
+    /// with `parts` their reduce-scatter (this rank gets its part): divided by the world size,
+    /// cast (on the device if it has the format, else on the host), summed across `group`.
     pub(crate) fn start(
         self,
         group: &ProcessGroup,
         grads: Tensor<1>,
+        parts: Option<&[usize]>,
         device: &Device,
     ) -> Result<Compressed> {
+        fn sum<B: Reducible>(group: &ProcessGroup, buf: B, parts: Option<&[usize]>) -> Work<B> {
+            match parts {
+                Some(parts) => group.reduce_scatter_parts(buf, parts, ReduceOp::Sum),
+                None => group.all_reduce(buf, ReduceOp::Sum),
+            }
+        }
         let Some(dtype) = self.dtype() else {
-            let work = group.all_reduce(grads, ReduceOp::Sum);
+            let work = sum(group, grads, parts);
             return Ok(Compressed::Device(Box::new(work)));
         };
         let grads = grads.div_scalar(group.world_size() as f64);
         if device.supports_dtype(dtype) {
-            let work = group.all_reduce(grads.cast(dtype), ReduceOp::Sum);
+            let work = sum(group, grads.cast(dtype), parts);
             return Ok(Compressed::Device(Box::new(work)));
         }
         let values = grads
@@ -83,12 +90,12 @@ impl Compression {
         let device = device.clone();
         Ok(match self {
             Compression::Fp16 => {
-                let values = values.into_iter().map(f16::from_f32).collect();
-                Compressed::HostF16(group.all_reduce(values, ReduceOp::Sum), device)
+                let values: Vec<f16> = values.into_iter().map(f16::from_f32).collect();
+                Compressed::HostF16(sum(group, values, parts), device)
             }
             _ => {
-                let values = values.into_iter().map(bf16::from_f32).collect();
-                Compressed::HostBf16(group.all_reduce(values, ReduceOp::Sum), device)
+                let values: Vec<bf16> = values.into_iter().map(bf16::from_f32).collect();
+                Compressed::HostBf16(sum(group, values, parts), device)
             }
         })
     }

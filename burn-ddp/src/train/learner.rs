@@ -17,6 +17,7 @@ use std::fmt::Display;
 use std::path::PathBuf;
 use std::sync::Arc;
 
+use burn::module::ParamGroup;
 use burn::optim::ModuleOptimizer;
 use burn::optim::lr_scheduler::module_lr_scheduler::ModuleLrScheduler;
 use burn::train::{
@@ -36,6 +37,7 @@ use super::quiet::QuietRenderer;
 use super::reducer::GradientReducer;
 use super::sampler::{DistributedSampler, SamplerRegistry};
 use super::settings::SharedSettings;
+use super::sharding::{Sharding, TakeOwners};
 use super::strategy::{DdpStrategy, Feeding, Samplers};
 use super::telemetry::Telemetry;
 use super::telemetry::trace::Trace;
@@ -197,6 +199,17 @@ impl<M: LearnerModel> DdpLearner<M> {
         self
     }
 
+    /// Shards the optimizer's work across the ranks, as ZeRO does (default
+    /// [`Sharding::None`]): each rank keeps the optimizer state of its own part of the
+    /// parameters (about 1/N of it) and steps only those, and (with
+    /// [`Sharding::OptimizerAndGradients`]) receives only their averaged gradients. The
+    /// parameters stay identical on every rank after each step; checkpoints hold the whole
+    /// optimizer state, so a run resumes at any world size, sharded or not.
+    pub fn shard_optimizer(mut self, sharding: Sharding) -> Self {
+        self.shared.sharding = sharding;
+        self
+    }
+
     /// Every rank writes a Chrome trace of its training steps to `dir/rank-<r>.json` (open it
     /// in Perfetto or chrome://tracing): the forward and backward pass, each bucket's pack,
     /// all-reduce and the unpack, the optimizer step. Written at each epoch's end.
@@ -231,7 +244,15 @@ impl<M: LearnerModel> DdpLearner<M> {
         let reducer = GradientReducer::new(&model, self.group.clone(), self.buckets)?
             .desync_check(shared.desync_check)
             .compression(shared.compression)
-            .non_finite(shared.non_finite);
+            .non_finite(shared.non_finite)
+            .sharding(shared.sharding);
+        // The parameters another rank owns take the values their owner sends.
+        let optim = match reducer.not_owned_paths() {
+            Some(paths) if !paths.is_empty() => {
+                (self.optim).with_group(ParamGroup::from_paths(paths), TakeOwners, None)
+            }
+            _ => self.optim,
+        };
         let buffers = Buffers::new(shared.buffer_sync, self.group.clone(), &model);
         let trace = match &self.profile {
             Some(dir) => Some(Arc::new(Trace::new(dir, self.group.rank()).map_err(
@@ -254,7 +275,7 @@ impl<M: LearnerModel> DdpLearner<M> {
             self.checkpoints,
             (self.telemetry, trace),
         )?;
-        Ok((Learner::new(model, self.optim, self.lr), strategy))
+        Ok((Learner::new(model, optim, self.lr), strategy))
     }
 
     /// A sampler made for this group that wraps more datasets than the splits it is registered

@@ -6,6 +6,7 @@
 use super::buffers::BufferSync;
 use super::compression::Compression;
 use super::non_finite::NonFinite;
+use super::sharding::Sharding;
 
 /// `DdpLearner`'s settings that every rank must share.
 #[derive(Debug, Clone)]
@@ -22,6 +23,8 @@ pub(crate) struct SharedSettings {
     pub compression: Compression,
     /// What a non-finite gradient comes to.
     pub non_finite: NonFinite,
+    /// How the optimizer's work is sharded.
+    pub sharding: Sharding,
     /// The user's own settings, by name.
     pub user: Vec<(String, String)>,
 }
@@ -35,6 +38,7 @@ impl Default for SharedSettings {
             uneven: false,
             compression: Compression::default(),
             non_finite: NonFinite::default(),
+            sharding: Sharding::default(),
             user: Vec::new(),
         }
     }
@@ -51,6 +55,7 @@ impl SharedSettings {
             uneven,
             compression,
             non_finite,
+            sharding,
             user,
         } = self;
         let learner = [
@@ -60,6 +65,7 @@ impl SharedSettings {
             ("uneven_inputs", uneven.to_string()),
             ("compression", compression.to_string()),
             ("non_finite", non_finite.to_string()),
+            ("sharding", sharding.to_string()),
         ];
         let mut all = user.clone();
         all.extend(learner.map(|(name, value)| (name.to_string(), value)));
@@ -87,7 +93,8 @@ mod tests {
                 "buffer_sync",
                 "uneven_inputs",
                 "compression",
-                "non_finite"
+                "non_finite",
+                "sharding"
             ]
         );
         assert_eq!(entries[5].1, Compression::Bf16.to_string());

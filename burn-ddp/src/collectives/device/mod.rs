@@ -245,6 +245,25 @@ impl Gatherable for Tensor<1> {
     }
 }
 
+/// Starts an all-gather of tensors of the lengths `parts` (rank `r`'s has `parts[r]`
+/// elements, the same list on every rank): every rank's, concatenated in rank order, on this
+/// rank's device.
+pub(crate) fn all_gather_parts(
+    group: &Backends,
+    tensor: Tensor<1>,
+    parts: Vec<usize>,
+) -> Work<Tensor<1>> {
+    if group.world() == 1 {
+        return Work::done(group.rank(), Ok(tensor));
+    }
+    match backend(group, &tensor.device()) {
+        Ok(DeviceBackend::Staged) => staged::all_gather_parts(group, tensor, parts),
+        #[cfg(feature = "nccl")]
+        Ok(DeviceBackend::Nccl(comm)) => nccl::all_gather_parts(group, &comm, tensor, parts),
+        Err(e) => Work::done(group.rank(), Err(e)),
+    }
+}
+
 /// The error of a tensor that cannot take part in a collective.
 fn invalid(rank: usize, op: &str, reason: String) -> DdpError {
     DdpError::InvalidArgument {

@@ -197,6 +197,46 @@ pub(super) fn reduce_scatter(
     })
 }
 
+/// Starts an all-gather of tensors of `parts` elements by rank, concatenated in rank order:
+/// each rank's travels padded with zeros to the longest part (NCCL gathers equal lengths), and
+/// the padding is cut away on arrival. Every rank's length, element type and parts are compared
+/// first (through the host transport, in the same job).
+pub(super) fn all_gather_parts(
+    group: &Backends,
+    comm: &NcclComm,
+    tensor: Tensor<1>,
+    parts: Vec<usize>,
+) -> Work<Tensor<1>> {
+    let (rank, n, dtype) = (group.rank(), tensor.shape().num_elements(), tensor.dtype());
+    let shape = gather_shape(n, &format!("{dtype:?} in parts {parts:?}"));
+    let valid = parts.len() == group.world() && parts.get(rank) == Some(&n);
+    let longest = parts.iter().copied().max().unwrap_or(0);
+    let started = valid.then(|| {
+        let padded = if n < longest {
+            let pad = Tensor::zeros([longest - n], (&tensor.device(), dtype));
+            Tensor::cat(vec![tensor, pad], 0)
+        } else {
+            tensor
+        };
+        comm.start_all_gather(padded)
+    });
+    group.on_worker(move |w| {
+        let said = w.gather_said(&shape)?;
+        if let Some(reason) = shape_mismatch(&said, "gathers") {
+            return Err(invalid(w.rank(), "all_gather", reason));
+        }
+        let Some(started) = started else {
+            let reason = format!("rank {rank} gives {n} elements, its part of {parts:?} differs");
+            return Err(invalid(w.rank(), "all_gather", reason));
+        };
+        let all = wait(w, "NCCL all_gather", started)?;
+        let pieces = (parts.iter().enumerate())
+            .map(|(r, &p)| all.clone().narrow(0, r * longest, p))
+            .collect();
+        Ok(Tensor::cat(pieces, 0))
+    })
+}
+
 /// NCCL's reduction for `op`.
 fn nccl_op(op: ReduceOp) -> burn_ddp_nccl::ReduceOp {
     match op {

@@ -104,6 +104,32 @@ pub(super) fn all_gather(group: &Backends, tensor: Tensor<1>) -> Work<Vec<Tensor
     })
 }
 
+/// Starts the all-gather of tensors of `parts` elements by rank through the host: every rank's,
+/// concatenated in rank order.
+pub(super) fn all_gather_parts(
+    group: &Backends,
+    tensor: Tensor<1>,
+    parts: Vec<usize>,
+) -> Work<Tensor<1>> {
+    let rank = group.rank();
+    group.on_worker(move |w| {
+        let (device, dtype) = (tensor.device(), tensor.dtype());
+        let data = read_back(w, "all_gather", tensor)?;
+        let all = w.run(|t| t.all_gather(data.as_bytes()))?;
+        let elem = dtype.size();
+        let sizes: Vec<usize> = all.iter().map(|b| b.len() / elem.max(1)).collect();
+        if sizes != parts {
+            let reason =
+                format!("the ranks give {sizes:?} elements of {dtype:?}, the parts say {parts:?}");
+            return Err(invalid(rank, "all_gather", reason));
+        }
+        let bytes = all.concat();
+        let n = bytes.len() / elem.max(1);
+        let data = TensorData::from_bytes_vec(bytes, [n], dtype);
+        Ok(Tensor::from_data(data, (&device, dtype)))
+    })
+}
+
 /// The tensor's values on the host (waits for the kernels that produce it). A failure stops
 /// the group, so the peers do not wait for this rank.
 fn read_back(w: &mut Worker, op: &str, tensor: Tensor<1>) -> Result<TensorData> {

@@ -190,6 +190,10 @@ where
             let span = Span::named("optimizer step");
             trace.span(span, COMPUTE, stepping, Instant::now());
         }
+        // Sharded: the owners' updated parameters, for the parameters this rank does not own.
+        if let Some(values) = strategy.reducer.share_updates(&learner.model(), trace)? {
+            learner.optimizer_step(values);
+        }
         // Optimizer steps of the epoch so far; the epoch's end has its own checkpoint.
         let steps = iteration / self.accumulation.unwrap_or(1);
         let every = strategy.checkpoints.as_ref().and_then(|c| c.every_steps);

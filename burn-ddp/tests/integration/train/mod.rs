@@ -12,7 +12,8 @@
 //! - `join`: ranks with different numbers of batches training together;
 //! - `compression`: gradients reduced in bf16 and fp16;
 //! - `sharding`: loaders without a sampler sharded by the learner; misuse caught at start;
-//! - `telemetry`: per-step figures as metrics, the straggler, Chrome traces.
+//! - `telemetry`: per-step figures as metrics, the straggler, Chrome traces;
+//! - `zero`: the sharded optimizer (ZeRO-1 and 2) against plain DDP and one process.
 
 mod buffers;
 mod checkpoints;
@@ -27,6 +28,7 @@ mod model;
 mod non_finite;
 mod sharding;
 mod telemetry;
+mod zero;
 
 pub(crate) use job::{Job, train_rank, uninterrupted_digest};
 pub(crate) use model::{EXIT_CODE, flex, new_net};

@@ -25,6 +25,9 @@
 //! so a crate outside burn cannot start a bucket's reduction while backward still runs.
 //! Communication therefore overlaps with packing and unpacking, not with backward.
 
+mod sharded;
+
+use std::ops::Range;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Instant;
@@ -38,6 +41,7 @@ use super::compression::{Compressed, Compression};
 use super::fingerprint::{FINGERPRINT_LEN, Fingerprint};
 use super::non_finite::NonFinite;
 use super::params::{ParamInfo, layout};
+use super::sharding::{Owners, Sharding};
 use super::telemetry::StepStats;
 use super::telemetry::trace::{COMMUNICATION, COMPUTE, Span, Trace};
 use crate::ProcessGroup;
@@ -58,6 +62,10 @@ pub struct GradientReducer {
     compression: Compression,
     /// What a non-finite gradient on some rank comes to.
     non_finite: NonFinite,
+    /// How the optimizer's work is sharded, and (when it is, on several ranks) who owns what:
+    /// then `plan` is the owners' plan.
+    sharding: Sharding,
+    owners: Option<Owners>,
 }
 
 /// Takes every trainable parameter's gradient out of `grads`, flattened, in visit order.
@@ -125,7 +133,25 @@ impl GradientReducer {
             check: true,
             compression: Compression::None,
             non_finite: NonFinite::default(),
+            sharding: Sharding::None,
+            owners: None,
         })
+    }
+
+    /// Shards the optimizer's work (default [`Sharding::None`]; every rank must choose the
+    /// same): each rank then owns a part of the parameters, and the reductions hand back only
+    /// its own parameters' gradients (see [`Sharding`]).
+    pub fn sharding(mut self, sharding: Sharding) -> Self {
+        self.sharding = sharding;
+        self.owners = None;
+        let world = self.group.world_size();
+        if sharding.shards() && world > 1 {
+            let sizes: Vec<usize> = self.params.iter().map(ParamInfo::numel).collect();
+            let owners = Owners::new(&self.plan, &sizes, world, self.group.rank());
+            self.plan = owners.plan.clone();
+            self.owners = Some(owners);
+        }
+        self
     }
 
     /// Whether buckets carry and check a fingerprint (default true; every rank must choose the
@@ -213,6 +239,9 @@ impl GradientReducer {
         if self.group.world_size() == 1 {
             return Ok((grads, stats));
         }
+        if let (Some(owners), Sharding::OptimizerAndGradients) = (&self.owners, self.sharding) {
+            return self.reduce_scattered(model, grads, at, trace, owners);
+        }
         let mut take = Take {
             grads: &mut grads,
             flat: Vec::with_capacity(self.params.len()),
@@ -253,7 +282,7 @@ impl GradientReducer {
             if let Some(trace) = trace {
                 trace.span(Span::bucket("pack bucket", b), COMPUTE, packing, sent);
             }
-            let work = self.compression.start(&self.group, bucket, &device)?;
+            let work = self.compression.start(&self.group, bucket, None, &device)?;
             pending.push((work, sent));
         }
         let tails = compressed.then(|| self.group.all_reduce(tails, ReduceOp::Sum));
@@ -263,7 +292,15 @@ impl GradientReducer {
             Some(work) => (summed, work.wait()?),
             None => self.split_tails(summed)?,
         };
-        let reduced = self.unpack(at, averaged, &tails)?;
+        let whole: Vec<_> = self.plan.buckets.iter().map(|b| 0..b.len).collect();
+        let mut reduced = self.unpack(at, averaged, &whole, &tails)?;
+        if let Some(owners) = &self.owners {
+            for (p, g) in reduced.iter_mut().enumerate() {
+                if !owners.owns(p) {
+                    *g = None;
+                }
+            }
+        }
         model.visit(&mut Give {
             grads: &mut grads,
             flat: reduced.into_iter(),
@@ -362,12 +399,13 @@ impl GradientReducer {
     }
 
     /// Checks the fingerprints and the non-finite slots in the summed `tails` and hands out the
-    /// averaged gradients (`grads`, one tensor per bucket) some rank produced: none when the
-    /// step is skipped for non-finite gradients.
+    /// averaged gradients (`grads`, one tensor per bucket, covering the elements `windows` of
+    /// it) some rank produced: none when the step is skipped for non-finite gradients.
     fn unpack(
         &self,
         at: (usize, usize),
         grads: Vec<Tensor<1>>,
+        windows: &[Range<usize>],
         tails: &[f32],
     ) -> Result<Vec<Option<Tensor<1>>>> {
         let world = self.group.world_size();
@@ -387,9 +425,12 @@ impl GradientReducer {
                 return Err(self.desync(at, b, reason));
             }
             culprits.extend(NonFinite::marked(&tail[n + fingerprint..]));
+            let window = &windows[b];
             for (k, (&p, &offset)) in bucket.params.iter().zip(&bucket.offsets).enumerate() {
-                if tail[k] > 0.0 {
-                    out[p] = Some(grads.clone().narrow(0, offset, self.params[p].numel()));
+                let n = self.params[p].numel();
+                let inside = window.start <= offset && offset + n <= window.end;
+                if tail[k] > 0.0 && inside {
+                    out[p] = Some(grads.clone().narrow(0, offset - window.start, n));
                 }
             }
         }

@@ -1,0 +1,194 @@
+//! The reducer's sharded half (see [`crate::train::Sharding`]): gradients reduce-scattered
+//! bucket by bucket so that each rank receives its own parameters' averages, and after the
+//! optimizer step the owners' updated parameters all-gathered, bucket by bucket, for every rank.
+//!
+//! The presence flags, fingerprints and non-finite slots of all buckets travel apart, in one
+//! small `f32` all-reduce per step (as with compression): every rank checks all of them, so
+//! every rank takes the same decision (a desync, a skipped step) even for buckets it owns
+//! nothing of.
+
+use std::time::Instant;
+
+use burn::module::{Module, ModuleVisitor, Param};
+use burn::optim::GradientsParams;
+use burn::tensor::Tensor;
+
+use super::{Give, GradientReducer, Take};
+use crate::collectives::ReduceOp;
+use crate::error::{DdpError, Result};
+use crate::train::sharding::Owners;
+use crate::train::telemetry::StepStats;
+use crate::train::telemetry::trace::{COMMUNICATION, COMPUTE, Span, Trace};
+
+/// Every trainable parameter's value, flattened, on its backend without autodiff, in visit
+/// order.
+#[derive(Default)]
+struct Values(Vec<Tensor<1>>);
+
+impl ModuleVisitor for Values {
+    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+        let t = param.val();
+        if t.is_require_grad() {
+            let t = t.inner();
+            let n = t.shape().num_elements();
+            self.0.push(t.reshape([n]));
+        }
+    }
+}
+
+impl GradientReducer {
+    /// [`GradientReducer::reduce_traced`] for [`crate::train::Sharding::OptimizerAndGradients`]:
+    /// this rank's own parameters' averaged gradients only.
+    pub(super) fn reduce_scattered<M: Module>(
+        &self,
+        model: &M,
+        mut grads: GradientsParams,
+        at: (usize, usize),
+        trace: Option<&Trace>,
+        owners: &Owners,
+    ) -> Result<(GradientsParams, StepStats)> {
+        let mut stats = StepStats::default();
+        let mut take = Take {
+            grads: &mut grads,
+            flat: Vec::with_capacity(self.params.len()),
+            device: None,
+        };
+        model.visit(&mut take);
+        let (mut flat, device) = (take.flat, take.device);
+        let Some(device) = device else {
+            return Ok((grads, stats));
+        };
+        let mut pending = Vec::with_capacity(self.plan.buckets.len());
+        let mut tails = Vec::new();
+        let mut first_sent = None;
+        for (b, parts) in owners.parts.iter().enumerate() {
+            let packing = Instant::now();
+            let (values, tail) = self.pack(b, at, &mut flat, &device)?;
+            tails.extend(tail);
+            let bucket = Tensor::cat(values, 0);
+            let sent = Instant::now();
+            stats.pack += (sent - packing).as_secs_f64();
+            first_sent.get_or_insert(sent);
+            if let Some(trace) = trace {
+                trace.span(Span::bucket("pack bucket", b), COMPUTE, packing, sent);
+            }
+            let work = (self.compression).start(&self.group, bucket, Some(parts), &device)?;
+            pending.push((work, sent));
+        }
+        let tails = self.group.all_reduce(tails, ReduceOp::Sum);
+        let summed = self.wait_buckets(pending, trace, &mut stats)?;
+        let unpacking = Instant::now();
+        let tails = tails.wait()?;
+        let scale = if self.compression.dtype().is_some() {
+            1.0
+        } else {
+            1.0 / self.group.world_size() as f32
+        };
+        let averaged = summed.into_iter().map(|t| t.mul_scalar(scale)).collect();
+        let windows: Vec<_> = (0..owners.parts.len()).map(|b| owners.window(b)).collect();
+        let reduced = self.unpack(at, averaged, &windows, &tails)?;
+        model.visit(&mut Give {
+            grads: &mut grads,
+            flat: reduced.into_iter(),
+        });
+        if let Some(trace) = trace {
+            trace.span(Span::named("unpack"), COMPUTE, unpacking, Instant::now());
+        }
+        stats.communication = first_sent.map_or(0.0, |t| (unpacking - t).as_secs_f64());
+        stats.bytes = self.bytes_per_step() as f64;
+        Ok((grads, stats))
+    }
+
+    /// After the optimizer stepped this rank's own parameters of `model`: every bucket's
+    /// parameters all-gathered from their owners, as the values to give the parameters this
+    /// rank does not own (by their ids, for [`crate::train::sharding::TakeOwners`]). `None`
+    /// when the work is not sharded.
+    pub(crate) fn share_updates<M: Module>(
+        &self,
+        model: &M,
+        trace: Option<&Trace>,
+    ) -> Result<Option<GradientsParams>> {
+        let Some(owners) = &self.owners else {
+            return Ok(None);
+        };
+        let started = Instant::now();
+        let mut values = Values::default();
+        model.visit(&mut values);
+        let values = values.0;
+        if values.len() != self.params.len() {
+            return Err(DdpError::Disagreement(format!(
+                "the model has {} trainable tensors, the bucket plan {}",
+                values.len(),
+                self.params.len()
+            )));
+        }
+        let mut pending = Vec::with_capacity(self.plan.buckets.len());
+        for (b, bucket) in self.plan.buckets.iter().enumerate() {
+            let mine: Vec<Tensor<1>> = (bucket.params.iter())
+                .filter(|&&p| owners.owns(p))
+                .map(|&p| values[p].clone())
+                .collect();
+            let like = &values[bucket.params[0]];
+            let mine = if mine.is_empty() {
+                Tensor::zeros([0], (&like.device(), like.dtype()))
+            } else {
+                Tensor::cat(mine, 0)
+            };
+            let work = self.group.all_gather_parts(mine, &owners.parts[b]);
+            pending.push(work);
+        }
+        let mut shared = vec![None; self.params.len()];
+        for (bucket, work) in self.plan.buckets.iter().zip(pending) {
+            let all = work.wait()?;
+            for (&p, &offset) in bucket.params.iter().zip(&bucket.offsets) {
+                if !owners.owns(p) {
+                    shared[p] = Some(all.clone().narrow(0, offset, self.params[p].numel()));
+                }
+            }
+        }
+        let mut out = GradientsParams::new();
+        model.visit(&mut Give {
+            grads: &mut out,
+            flat: shared.into_iter(),
+        });
+        if let Some(trace) = trace {
+            let span = Span::named("all-gather parameters");
+            trace.span(span, COMMUNICATION, started, Instant::now());
+        }
+        Ok(Some(out))
+    }
+
+    /// Bytes each rank sends per step on a ring: an all-reduce sends `2 (n - 1) / n` of its
+    /// buffer, a reduce-scatter and an all-gather `(n - 1) / n` each. With sharding, the
+    /// gradients' reduction (an all-reduce, or a reduce-scatter with the flags and fingerprints
+    /// in an all-reduce of their own) and the parameters' all-gather.
+    pub fn sent_per_step(&self) -> f64 {
+        let n = self.group.world_size() as f64;
+        let share = (n - 1.0) / n;
+        let per_value = self.compression.bytes_per_value();
+        let grads: usize = self.plan.buckets.iter().map(|b| b.len * per_value).sum();
+        let tails: usize = (0..self.plan.buckets.len())
+            .map(|b| self.tail_len(b) * 4)
+            .sum();
+        let params: usize = self.plan.buckets.iter().map(|b| b.len * 4).sum();
+        match (&self.owners, self.sharding) {
+            (None, _) => 2.0 * share * (grads + tails) as f64,
+            (Some(_), crate::train::Sharding::OptimizerAndGradients) => {
+                share * (grads + params) as f64 + 2.0 * share * tails as f64
+            }
+            (Some(_), _) => 2.0 * share * (grads + tails) as f64 + share * params as f64,
+        }
+    }
+
+    /// The module paths of the trainable parameters other ranks own, when the work is sharded
+    /// on several ranks.
+    pub(crate) fn not_owned_paths(&self) -> Option<Vec<String>> {
+        let owners = self.owners.as_ref()?;
+        Some(
+            (self.params.iter().enumerate())
+                .filter(|(p, _)| !owners.owns(*p))
+                .map(|(_, info)| info.path.clone())
+                .collect(),
+        )
+    }
+}
