@@ -34,6 +34,7 @@ const MAGIC: &[u8; 8] = b"BDDPCKPT";
 const VERSION: u32 = 1;
 
 mod handover;
+pub(crate) mod shards;
 
 /// Where and how often [`DdpLearner`](super::DdpLearner) writes checkpoints.
 ///
@@ -207,15 +208,26 @@ impl Snapshot {
         Ok(snapshot)
     }
 
-    /// Loads the records into `learner` (model parameters keep their device).
+    /// The optimizer's record (burnpack bytes).
+    pub(crate) fn optim(&self) -> &[u8] {
+        &self.optim
+    }
+
+    /// The snapshot with `optim` as the optimizer's record.
+    pub(crate) fn with_optim(self, optim: Vec<u8>) -> Self {
+        Snapshot { optim, ..self }
+    }
+
+    /// Loads the records into `learner` (model parameters keep their device); of the optimizer's
+    /// state, only that of the parameters `keep` names in the loaded model (all when `None`).
     pub(crate) fn restore<M: LearnerModel>(
         &self,
         learner: &mut Learner<M>,
+        keep: impl FnOnce(&M) -> Option<std::collections::HashSet<u64>>,
     ) -> std::result::Result<(), SnapshotError> {
         let bytes = |v: &Vec<u8>| Bytes::from_bytes_vec(v.clone());
         let record = |what| move |source| SnapshotError::Record { what, source };
         let model = ModuleRecord::from_bytes(bytes(&self.model)).map_err(record("model"))?;
-        let optim = OptimizerRecord::from_bytes(bytes(&self.optim)).map_err(record("optimizer"))?;
         let scheduler = LrSchedulerRecord::from_bytes(bytes(&self.scheduler))
             .map_err(record("learning-rate schedule"))?;
         // burn's `load_model` panics on a record that does not fit: try it on a copy first.
@@ -224,6 +236,11 @@ impl Snapshot {
             .try_load_record(model.clone())
             .map_err(SnapshotError::ModelMismatch)?;
         learner.load_model(model);
+        let optim = match keep(&learner.model()) {
+            Some(ids) => shards::keep(&self.optim, &ids)?,
+            None => self.optim.clone(),
+        };
+        let optim = OptimizerRecord::from_bytes(bytes(&optim)).map_err(record("optimizer"))?;
         learner.load_optim(optim);
         learner.load_scheduler(scheduler);
         Ok(())
@@ -264,6 +281,33 @@ pub fn inspect_checkpoint(path: &Path) -> Result<Position> {
             rank: 0,
             reason: format!("{}: {reason}", path.display()),
         })
+}
+
+/// Every rank's optimizer record (a sharded run's), or its failure to take it, gathered.
+pub(crate) fn gather_optim(
+    group: &ProcessGroup,
+    mine: std::result::Result<&[u8], &SnapshotError>,
+) -> Result<Vec<std::result::Result<Vec<u8>, String>>> {
+    let mut w = Writer::default();
+    match mine {
+        Ok(record) => w.u8(1).bytes(record),
+        Err(e) => w.u8(0).bytes(e.to_string().as_bytes()),
+    };
+    let all = group.all_gather(w.buf).wait()?;
+    (all.iter().enumerate())
+        .map(|(r, raw)| {
+            let mut reader = Reader::new(raw);
+            let decoded = (|| Ok::<_, DecodeError>((reader.u8()?, reader.bytes()?.to_vec())))();
+            match decoded {
+                Ok((1, record)) => Ok(Ok(record)),
+                Ok((_, why)) => Ok(Err(String::from_utf8_lossy(&why).into_owned())),
+                Err(e) => Err(DdpError::Checkpoint {
+                    rank: group.rank(),
+                    reason: format!("rank {r} sent a malformed optimizer record: {e}"),
+                }),
+            }
+        })
+        .collect()
 }
 
 /// Rank 0 writes `snapshot` (taken on rank 0 only); every rank learns the outcome.

@@ -4,7 +4,7 @@
 //! Parameters are identified by their position in visit order and their module path, never by
 //! `ParamId`, which is random per process.
 
-use burn::module::{Module, ModuleMapper, ModuleVisitor, Param};
+use burn::module::{Module, ModuleMapper, ModuleVisitor, Param, ParamId};
 use burn::tensor::{DType, Tensor};
 
 use crate::ProcessGroup;
@@ -269,7 +269,10 @@ pub(crate) fn flat_values<M: Module>(module: &M, select: Select) -> Vec<f32> {
 }
 
 /// Returns `module` with every float tensor (parameters and buffers) replaced by rank 0's
-/// values, so replicas start identical whatever their seeds. Call [`check_agreement`] first.
+/// values, so replicas start identical whatever their seeds, and its trainable parameters
+/// identified by rank 0's `ParamId`s (random per process otherwise), so that state kept by
+/// parameter id, such as a sharded optimizer's, means the same parameter on every rank. Call
+/// [`check_agreement`] first.
 ///
 /// The values travel as one flat tensor on the module's device, through the group's tensor
 /// broadcast (so by the device's own backend, NCCL on CUDA).
@@ -281,5 +284,41 @@ pub fn broadcast_module<M: Module>(module: M, group: &ProcessGroup) -> Result<M>
         return Ok(module);
     };
     let flat = group.broadcast(flat, 0).wait()?;
-    Ok(Assign::module(module, Select::All, flat))
+    let module = Assign::module(module, Select::All, flat);
+    let mut ids = Ids::default();
+    module.visit(&mut ids);
+    let ids: Vec<u8> = ids.0.iter().flat_map(|id| id.to_le_bytes()).collect();
+    let ids = group.broadcast(ids, 0).wait()?;
+    let ids: Vec<u64> = (ids.chunks_exact(8))
+        .map(|b| u64::from_le_bytes(b.try_into().unwrap_or_default()))
+        .collect();
+    Ok(module.map(&mut SetIds(ids.into_iter())))
+}
+
+/// Every trainable parameter's `ParamId`, in visit order.
+#[derive(Default)]
+struct Ids(Vec<u64>);
+
+impl ModuleVisitor for Ids {
+    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+        if Select::Parameters.takes(param) {
+            self.0.push(param.id.val());
+        }
+    }
+}
+
+/// Gives the trainable parameters the `ParamId`s listed, in visit order.
+struct SetIds(std::vec::IntoIter<u64>);
+
+impl ModuleMapper for SetIds {
+    fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
+        if !Select::Parameters.takes(&param) {
+            return param;
+        }
+        let Some(id) = self.0.next() else {
+            return param;
+        };
+        let (_, tensor, mapper) = param.consume();
+        Param::from_mapped_value(ParamId::from(id), tensor, mapper)
+    }
 }

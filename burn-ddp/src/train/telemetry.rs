@@ -131,6 +131,9 @@ impl JobStats {
 #[derive(Clone, Default)]
 pub struct Telemetry {
     recent: Arc<Mutex<VecDeque<(usize, JobStats)>>>,
+    /// Whether this rank's optimizer state is to be counted at the end of training, and what it
+    /// came to.
+    optimizer_state: Arc<Mutex<(bool, Option<usize>)>>,
 }
 
 impl std::fmt::Debug for Telemetry {
@@ -160,6 +163,29 @@ impl Telemetry {
             .iter()
             .map(|(_, s)| *s)
             .collect()
+    }
+
+    /// Counts this rank's optimizer state when training ends (the bytes of its state tensors,
+    /// read from the optimizer's record, which costs one checkpoint in memory), for
+    /// [`Telemetry::optimizer_state_bytes`]: how much a sharded optimizer saves.
+    pub fn count_optimizer_state(&self) {
+        crate::sync::lock(&self.optimizer_state).0 = true;
+    }
+
+    /// This rank's optimizer-state bytes at the end of training, if counted
+    /// ([`Telemetry::count_optimizer_state`]).
+    pub fn optimizer_state_bytes(&self) -> Option<usize> {
+        crate::sync::lock(&self.optimizer_state).1
+    }
+
+    /// Whether the optimizer state is to be counted.
+    pub(crate) fn counts_optimizer_state(&self) -> bool {
+        crate::sync::lock(&self.optimizer_state).0
+    }
+
+    /// Records the optimizer state counted.
+    pub(crate) fn set_optimizer_state(&self, bytes: usize) {
+        crate::sync::lock(&self.optimizer_state).1 = Some(bytes);
     }
 
     /// The figures recorded last for `iteration`.

@@ -7,6 +7,7 @@
 //! every rank takes the same decision (a desync, a skipped step) even for buckets it owns
 //! nothing of.
 
+use std::collections::HashSet;
 use std::time::Instant;
 
 use burn::module::{Module, ModuleVisitor, Param};
@@ -32,6 +33,18 @@ impl ModuleVisitor for Values {
             let t = t.inner();
             let n = t.shape().num_elements();
             self.0.push(t.reshape([n]));
+        }
+    }
+}
+
+/// Every trainable parameter's id, in visit order.
+#[derive(Default)]
+struct Ids(Vec<u64>);
+
+impl ModuleVisitor for Ids {
+    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+        if param.val().is_require_grad() {
+            self.0.push(param.id.val());
         }
     }
 }
@@ -178,6 +191,24 @@ impl GradientReducer {
             }
             (Some(_), _) => 2.0 * share * (grads + tails) as f64 + share * params as f64,
         }
+    }
+
+    /// Whether the work is sharded (on several ranks).
+    pub(crate) fn shards(&self) -> bool {
+        self.owners.is_some()
+    }
+
+    /// The `ParamId`s of the parameters of `model` this rank owns, when the work is sharded.
+    pub(crate) fn owned_ids<M: Module>(&self, model: &M) -> Option<HashSet<u64>> {
+        let owners = self.owners.as_ref()?;
+        let mut ids = Ids::default();
+        model.visit(&mut ids);
+        Some(
+            (ids.0.into_iter().enumerate())
+                .filter(|(p, _)| owners.owns(*p))
+                .map(|(_, id)| id)
+                .collect(),
+        )
     }
 
     /// The module paths of the trainable parameters other ranks own, when the work is sharded

@@ -94,6 +94,7 @@ where
                 break;
             }
         }
+        self.strategy.count_optimizer_state(learner, &self.events);
         status.enter(Phase::Finished, None);
         Ok(())
     }

@@ -7,7 +7,7 @@ use burn::train::{Learner, LearnerModel};
 use super::DdpStrategy;
 use crate::error::{DdpError, Result};
 use crate::status::Phase;
-use crate::train::checkpoint::{self, Position, Snapshot};
+use crate::train::checkpoint::{self, Position, Snapshot, SnapshotError};
 
 impl DdpStrategy {
     /// Writes a checkpoint (rank 0) at `at`; every rank learns whether it worked.
@@ -28,12 +28,43 @@ impl DdpStrategy {
             status.step(at.batches);
         }
         let timeout = self.group.options().timeout;
-        let snapshot = self
-            .is_main()
-            .then(|| Snapshot::take(learner, at, events, timeout));
+        let snapshot = if self.reducer.shards() {
+            // Each rank holds the state of its own parameters: rank 0 merges them.
+            let mine = Snapshot::take(learner, at, events, timeout);
+            let all = checkpoint::gather_optim(&self.group, mine.as_ref().map(Snapshot::optim))?;
+            self.is_main().then(|| {
+                let merged = shards_merged(all)?;
+                mine.map(|s| s.with_optim(merged))
+            })
+        } else {
+            self.is_main()
+                .then(|| Snapshot::take(learner, at, events, timeout))
+        };
         checkpoint::save(&self.group, config, snapshot)?;
         status.enter(phase, Some(at.epoch));
         Ok(())
+    }
+
+    /// At the end of training: this rank's optimizer state counted, if the telemetry asks for
+    /// it (a failure to count is logged, not an error of training).
+    pub(super) fn count_optimizer_state<M: LearnerModel>(
+        &self,
+        learner: &Learner<M>,
+        events: &EventStoreClient,
+    ) {
+        if !self.telemetry.counts_optimizer_state() {
+            return;
+        }
+        let timeout = self.group.options().timeout;
+        let counted = Snapshot::take(learner, Position::default(), events, timeout)
+            .and_then(|s| checkpoint::shards::state_bytes(s.optim()));
+        match counted {
+            Ok(bytes) => self.telemetry.set_optimizer_state(bytes),
+            Err(e) => log::warn!(
+                "rank {}: counting the optimizer state: {e}",
+                self.group.rank()
+            ),
+        }
     }
 
     /// After the ranks agreed to stop for `signal`: the checkpoint at `at` (if configured), and
@@ -83,7 +114,7 @@ impl DdpStrategy {
             return Ok(None);
         };
         snapshot
-            .restore(learner)
+            .restore(learner, |model| self.reducer.owned_ids(model))
             .map_err(|e| DdpError::Checkpoint {
                 rank: self.group.rank(),
                 reason: e.to_string(),
@@ -110,4 +141,14 @@ impl DdpStrategy {
         }
         Ok(Some(p))
     }
+}
+
+/// The ranks' optimizer records (or the first rank's failure to take its own) merged into one.
+fn shards_merged(
+    all: Vec<std::result::Result<Vec<u8>, String>>,
+) -> std::result::Result<Vec<u8>, SnapshotError> {
+    let records = (all.into_iter().enumerate())
+        .map(|(r, one)| one.map_err(|e| SnapshotError::Encode(format!("rank {r}: {e}"))))
+        .collect::<std::result::Result<Vec<_>, _>>()?;
+    checkpoint::shards::merge(&records)
 }

@@ -13,7 +13,7 @@ use burn::train::SupervisedTraining;
 use burn_ddp::ProcessGroup;
 use burn_ddp::train::{
     CheckpointConfig, DdpLearner, DdpTraining, DistributedDataset, DistributedSampler,
-    ProgressOutput, QuietRenderer, flat_parameters,
+    ProgressOutput, QuietRenderer, Sharding, flat_parameters,
 };
 
 use super::model::{DATA, EXIT_CODE, Net, Points, ToBatch, flex, new_net};
@@ -46,12 +46,14 @@ impl Dataset<(Vec<f32>, usize)> for Probe {
     }
 }
 
-/// A training job: its world size, checkpoints, and where its data fails or is counted.
+/// A training job: its world size, checkpoints, where its data fails or is counted, and how
+/// its optimizer is sharded.
 pub(crate) struct Job {
     pub world: usize,
     pub checkpoints: Option<CheckpointConfig>,
     pub fail_at: Option<(usize, usize)>,
     pub count: Option<(usize, Arc<AtomicUsize>)>,
+    pub sharding: Sharding,
 }
 
 impl Job {
@@ -62,6 +64,7 @@ impl Job {
             checkpoints,
             fail_at: None,
             count: None,
+            sharding: Sharding::None,
         }
     }
 }
@@ -126,6 +129,7 @@ pub(crate) fn train_rank(
         DdpLearner::with_group(group.clone(), model, AdamConfig::new().init(), schedule)
             .sampler(&sampler)
             .valid_sampler(&valid_sampler)
+            .shard_optimizer(job.sharding)
             .progress(ProgressOutput::Keep);
     if let Some(c) = &job.checkpoints {
         learner = learner.checkpoints(c.clone());

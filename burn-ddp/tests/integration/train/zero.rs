@@ -1,7 +1,8 @@
 //! The sharded optimizer (ZeRO-1 and ZeRO-2) against plain DdpLearner and against one process
 //! with the global batch: SGD with momentum, Adam and AdamW (weight decay on), a learning-rate
 //! schedule and gradient clipping, worlds 2 and 3, several epochs; with gradient accumulation;
-//! with a parameter some steps leave without gradient.
+//! with a parameter some steps leave without gradient. Each rank keeps only its share of the
+//! optimizer state, and sharded checkpoints resume at any world size, sharded or not.
 
 use std::sync::{Arc, Mutex};
 
@@ -13,10 +14,11 @@ use burn::optim::{AdamConfig, AdamWConfig, ModuleOptimizer, SgdConfig};
 use burn::train::SupervisedTraining;
 use burn_ddp::ProcessGroup;
 use burn_ddp::train::{
-    DdpLearner, DdpTraining, DistributedSampler, ProgressOutput, QuietRenderer, Sharding,
-    flat_parameters,
+    CHECKPOINT_FILE, CheckpointConfig, DdpLearner, DdpTraining, DistributedSampler, ProgressOutput,
+    QuietRenderer, Sharding, flat_parameters, inspect_checkpoint,
 };
 
+use super::job::{Job, run_job};
 use super::model::{DATA, Points, ToBatch, flex, new_net};
 use super::{assert_identical, relative_error, small_buckets};
 use crate::common::{options, run_world};
@@ -54,9 +56,15 @@ struct Run {
     extra: bool,
 }
 
+/// What a rank ends with: its parameters, and the bytes of its optimizer state.
+struct Trained {
+    params: Vec<f32>,
+    state: usize,
+}
+
 /// Every rank's final parameters after 3 epochs. Ranks start from different weights, which
 /// the start-up broadcast replaces with rank 0's (seed 7).
-fn train(run: Run) -> Vec<Vec<f32>> {
+fn train(run: Run) -> Vec<Trained> {
     let device = flex();
     let models: Vec<_> = (0..run.world)
         .map(|r| {
@@ -100,10 +108,15 @@ fn train(run: Run) -> Vec<Vec<f32>> {
             .buckets(small_buckets())
             .shard_optimizer(run.sharding)
             .progress(ProgressOutput::Keep);
+        let figures = learner.telemetry().clone();
+        figures.count_optimizer_state();
         let result = training.launch_ddp(learner).expect("training");
         assert!(result.error.is_none(), "{:?}", result.error);
         let _ = std::fs::remove_dir_all(&dir);
-        flat_parameters(&result.model)
+        Trained {
+            params: flat_parameters(&result.model),
+            state: figures.optimizer_state_bytes().expect("counted"),
+        }
     })
 }
 
@@ -125,15 +138,20 @@ fn check(base: Run) {
     });
     let start = flat_parameters(&new_net(&flex(), Some(7), base.extra));
     assert!(
-        relative_error(&plain[0], &start) > 1e-3,
+        relative_error(&plain[0].params, &start) > 1e-3,
         "training changed nothing"
+    );
+    let whole = plain[0].state;
+    assert!(
+        plain.iter().all(|t| t.state == whole),
+        "unsharded: every rank holds it all"
     );
     for sharding in [Sharding::Optimizer, Sharding::OptimizerAndGradients] {
         let sharded = train(Run { sharding, ..base });
-        let all: Vec<&[f32]> = sharded.iter().map(Vec::as_slice).collect();
+        let all: Vec<&[f32]> = sharded.iter().map(|t| t.params.as_slice()).collect();
         assert_identical(&all);
-        let to_plain = relative_error(&sharded[0], &plain[0]);
-        let to_one = relative_error(&sharded[0], &reference[0]);
+        let to_plain = relative_error(&sharded[0].params, &plain[0].params);
+        let to_one = relative_error(&sharded[0].params, &reference[0].params);
         eprintln!("{base:?} {sharding}: {to_plain:e} from plain DDP, {to_one:e} from one process");
         assert!(
             to_plain <= 1e-6,
@@ -142,6 +160,17 @@ fn check(base: Run) {
         assert!(
             base.extra || to_one <= 1e-6,
             "{base:?} {sharding}: {to_one:e} from one process"
+        );
+        // The optimizer state is cut among the ranks: each holds a part, together all of it.
+        let states: Vec<usize> = sharded.iter().map(|t| t.state).collect();
+        assert_eq!(
+            states.iter().sum::<usize>(),
+            whole,
+            "{sharding}: {states:?} of {whole}"
+        );
+        assert!(
+            states.iter().all(|&s| s < whole),
+            "{sharding}: {states:?} of {whole}"
         );
     }
 }
@@ -185,4 +214,82 @@ fn sharded_training_with_accumulation_and_a_parameter_without_gradient() {
         extra: true,
         ..base(Optim::Adam, 3)
     });
+}
+
+/// A sharded run that stops after a checkpoint and resumes: at the same world size exactly as
+/// if it had not stopped; at world 3, sharded or not, within 1e-6 of the unsharded job resumed
+/// at world 3 from an unsharded checkpoint (and so from a sharded checkpoint to an unsharded
+/// run, and from an unsharded checkpoint to a sharded run).
+#[test]
+fn sharded_checkpoints_resume_at_any_world_size_sharded_or_not() {
+    let stage = Sharding::OptimizerAndGradients;
+    let job = |world, sharding, checkpoints| Job {
+        sharding,
+        ..Job::plain(world, checkpoints)
+    };
+    let params = |results: Vec<Result<Vec<f32>, String>>| -> Vec<Vec<f32>> {
+        results.into_iter().map(|r| r.expect("training")).collect()
+    };
+    let straight = params(run_job(&job(2, stage, None)));
+    // Checkpoints every 2 optimizer steps; a crash in epoch 2 leaves epoch 2 after 4 batches.
+    let crash = |sharding, name| {
+        let dir = scratch(name);
+        let config = CheckpointConfig::new(&dir).every(2);
+        let crashed = run_job(&Job {
+            fail_at: Some((2, 17)),
+            ..job(2, sharding, Some(config.clone()))
+        });
+        assert!(
+            crashed
+                .iter()
+                .all(|r| r.as_ref().is_err_and(|e| e.contains("simulated crash")))
+        );
+        assert_eq!(inspect_checkpoint(&config.path()).unwrap().batches, 4);
+        config
+    };
+    let copy = |from: &CheckpointConfig, name| {
+        let dir = scratch(name);
+        std::fs::create_dir_all(&dir).unwrap();
+        std::fs::copy(from.path(), dir.join(CHECKPOINT_FILE)).unwrap();
+        CheckpointConfig::new(dir)
+    };
+    let sharded = crash(stage, "zero-sharded");
+    let plain = crash(Sharding::None, "zero-plain");
+    let to_3_sharded = copy(&sharded, "zero-s3s");
+    let to_3_plain = copy(&sharded, "zero-s3p");
+    let plain_to_3_sharded = copy(&plain, "zero-p3s");
+
+    let resumed = params(run_job(&job(2, stage, Some(sharded.clone()))));
+    for (r, p) in resumed.iter().enumerate() {
+        let err = relative_error(p, &straight[0]);
+        assert!(
+            err <= 1e-6,
+            "rank {r} resumed at world 2: {err:e} from the uninterrupted run"
+        );
+    }
+    let reference = params(run_job(&job(3, Sharding::None, Some(plain))));
+    for (what, sharding, config) in [
+        ("sharded -> world 3 sharded", stage, to_3_sharded),
+        ("sharded -> world 3 unsharded", Sharding::None, to_3_plain),
+        (
+            "unsharded -> world 3 sharded",
+            Sharding::Optimizer,
+            plain_to_3_sharded,
+        ),
+    ] {
+        let got = params(run_job(&job(3, sharding, Some(config.clone()))));
+        let all: Vec<&[f32]> = got.iter().map(Vec::as_slice).collect();
+        assert_identical(&all);
+        let err = relative_error(&got[0], &reference[0]);
+        eprintln!("{what}: {err:e} from the unsharded job resumed at world 3");
+        assert!(err <= 1e-6, "{what}: {err:e}");
+        let _ = std::fs::remove_dir_all(&config.dir);
+    }
+    let _ = std::fs::remove_dir_all(&sharded.dir);
+}
+
+fn scratch(name: &str) -> std::path::PathBuf {
+    let dir = std::env::temp_dir().join(format!("burn-ddp-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    dir
 }
