@@ -21,7 +21,7 @@ use burn_ddp::env::AGENT_STORE_VAR;
 use burn_ddp::status::Phase;
 use burn_ddp::store::StoreServer;
 use burn_ddp::testing::PUBLISH_INTERVAL;
-use burn_ddp::train::CheckpointConfig;
+use burn_ddp::train::{CheckpointConfig, Sharding};
 use burn_ddp::{ProcessGroup, ReduceOp};
 
 use crate::common::digest;
@@ -116,7 +116,15 @@ fn rank_process() {
                 CheckpointConfig::new(dir).every(every)
             });
             let ballast = var("BDDP_BALLAST").map_or(0, |v| v.parse().unwrap());
-            let job = Job::plain(group.world_size(), checkpoints);
+            let sharding = match var("BDDP_SHARDING").as_deref() {
+                Some("optimizer") => Sharding::Optimizer,
+                Some("gradients") => Sharding::OptimizerAndGradients,
+                _ => Sharding::None,
+            };
+            let job = Job {
+                sharding,
+                ..Job::plain(group.world_size(), checkpoints)
+            };
             let model = new_net(&flex(), (rank == 0).then_some(7), false);
             match train_rank(Arc::new(group), model, &job, ballast) {
                 Ok(params) => {

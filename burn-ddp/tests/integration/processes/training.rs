@@ -62,6 +62,13 @@ fn a_rank_that_exits_in_its_forward_pass_is_named_with_where_it_was() {
     rank_dies_in_forward(&[], 9, "rank 1 closed its connection");
 }
 
+/// The same with a sharded optimizer (ZeRO-2: reduce-scatter, and the parameters' all-gather).
+#[test]
+fn a_sharded_rank_that_exits_in_its_forward_pass_is_named_with_where_it_was() {
+    let sharded = [("BDDP_SHARDING", "gradients".to_string())];
+    rank_dies_in_forward(&sharded, 9, "rank 1 closed its connection");
+}
+
 #[test]
 fn a_rank_that_panics_in_its_forward_pass_is_named_with_where_it_was() {
     // The test harness turns the panic into exit code 101. The peers learn of the panic when
