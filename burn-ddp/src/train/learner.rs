@@ -246,6 +246,7 @@ impl<M: LearnerModel> DdpLearner<M> {
             .compression(shared.compression)
             .non_finite(shared.non_finite)
             .sharding(shared.sharding);
+        reducer.log_ownership();
         // The parameters another rank owns take the values their owner sends.
         let optim = match reducer.not_owned_paths() {
             Some(paths) if !paths.is_empty() => {

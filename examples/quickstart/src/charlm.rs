@@ -316,6 +316,7 @@ pub fn train_model(group: Arc<ProcessGroup>, cfg: &LmConfig, model: CharLm) -> R
     };
     let start = std::time::Instant::now();
     let mut exposed_ms = 0.0;
+    let mut optimizer_state = None;
     let result = if cfg.plain {
         training.launch(Learner::new(model, optim, lr))
     } else {
@@ -329,10 +330,12 @@ pub fn train_model(group: Arc<ProcessGroup>, cfg: &LmConfig, model: CharLm) -> R
             .setting("dropout", cfg.dropout)
             .progress(progress);
         let figures = learner.telemetry().clone();
+        figures.count_optimizer_state();
         let result = training
             .launch_ddp(learner)
             .context("data-parallel training")?;
         exposed_ms = mean_exposed_ms(&figures);
+        optimizer_state = figures.optimizer_state_bytes();
         result
     };
     let train_seconds = start.elapsed().as_secs_f64();
@@ -348,6 +351,7 @@ pub fn train_model(group: Arc<ProcessGroup>, cfg: &LmConfig, model: CharLm) -> R
         samples: steps * cfg.batch_size * group.world_size(),
         bytes_per_step,
         exposed_ms,
+        optimizer_state,
     })
 }
 

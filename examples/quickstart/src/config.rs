@@ -77,6 +77,38 @@ impl From<CompressionFlag> for burn_ddp::train::Compression {
     }
 }
 
+/// How the optimizer's work is sharded across the ranks: burn-ddp's `Sharding`, as a flag.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
+pub enum ShardFlag {
+    /// Not sharded: every rank keeps the whole optimizer state.
+    #[default]
+    None,
+    /// ZeRO-1: each rank keeps and updates the optimizer state of its part of the parameters.
+    Optimizer,
+    /// ZeRO-2: also receives only its part's averaged gradients (reduce-scatter).
+    Gradients,
+}
+
+impl From<ShardFlag> for burn_ddp::train::Sharding {
+    fn from(flag: ShardFlag) -> Self {
+        match flag {
+            ShardFlag::None => Self::None,
+            ShardFlag::Optimizer => Self::Optimizer,
+            ShardFlag::Gradients => Self::OptimizerAndGradients,
+        }
+    }
+}
+
+/// The optimizer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
+pub enum OptimizerFlag {
+    /// Plain SGD (no state).
+    #[default]
+    Sgd,
+    /// Adam (two moments per parameter: what sharding saves).
+    Adam,
+}
+
 /// Options of a quickstart run (the binaries' flags).
 #[derive(Debug, Clone)]
 pub struct Config {
@@ -86,6 +118,10 @@ pub struct Config {
     pub buffer_sync: BufferSyncFlag,
     /// The format gradients travel in.
     pub compression: CompressionFlag,
+    /// How the optimizer's work is sharded.
+    pub shard: ShardFlag,
+    /// The optimizer.
+    pub optimizer: OptimizerFlag,
     /// Every rank writes a Chrome trace of its steps into this directory.
     pub profile: Option<PathBuf>,
     /// Epochs.
@@ -130,6 +166,8 @@ impl Default for Config {
             model: ModelKind::Mlp,
             buffer_sync: BufferSyncFlag::Broadcast,
             compression: CompressionFlag::None,
+            shard: ShardFlag::None,
+            optimizer: OptimizerFlag::Sgd,
             profile: None,
             epochs: 10,
             batch_size: 32,
@@ -170,6 +208,14 @@ pub struct Flags {
     /// The format gradients travel in (halves the bytes sent) [default: none]
     #[arg(long, value_name = "FORMAT")]
     pub compression: Option<CompressionFlag>,
+    /// Shard the optimizer's work across the ranks (ZeRO): each rank keeps the optimizer state
+    /// of its part of the parameters (optimizer), and receives only its part's gradients
+    /// (gradients) [default: none]
+    #[arg(long, value_name = "WHAT", conflicts_with = "plain")]
+    pub shard: Option<ShardFlag>,
+    /// The optimizer [default: sgd]
+    #[arg(long, value_name = "NAME")]
+    pub optimizer: Option<OptimizerFlag>,
     /// Every rank writes a Chrome trace of its training steps there (rank-<r>.json; open it in
     /// Perfetto or chrome://tracing)
     #[arg(long, value_name = "DIR")]
@@ -289,6 +335,8 @@ impl Config {
             model,
             buffer_sync,
             compression,
+            shard,
+            optimizer,
             profile,
             epochs,
             batch_size,
@@ -310,6 +358,8 @@ impl Config {
         self.model = model.unwrap_or(self.model);
         self.buffer_sync = buffer_sync.unwrap_or(self.buffer_sync);
         self.compression = compression.unwrap_or(self.compression);
+        self.shard = shard.unwrap_or(self.shard);
+        self.optimizer = optimizer.unwrap_or(self.optimizer);
         self.profile = profile.or(self.profile);
         self.epochs = epochs.unwrap_or(self.epochs);
         self.batch_size = batch_size.unwrap_or(self.batch_size);

@@ -16,7 +16,9 @@ mod data;
 mod model;
 mod training;
 
-pub use config::{BufferSyncFlag, CompressionFlag, Config, Flags, ModelKind};
+pub use config::{
+    BufferSyncFlag, CompressionFlag, Config, Flags, ModelKind, OptimizerFlag, ShardFlag,
+};
 pub use data::{
     CLASSES, DIGIT_PIXELS, Data, Digits, FEATURES, MyBatch, MyBatcher, MyDataset, MyItem,
 };
@@ -59,6 +61,9 @@ pub fn main_with(defaults: Config) -> Result<()> {
     let report = run(group.clone(), &cfg)?;
     // Every rank's digest: equal digests show the replicas ended identical.
     println!("parameters digest {:016x}", report.digest());
+    if let Some(bytes) = report.optimizer_state {
+        println!("optimizer state {bytes} bytes");
+    }
     if group.rank() == 0 {
         report.publish(&cfg, group.world_size())?;
     }

@@ -8,7 +8,7 @@ use burn::data::dataloader::batcher::Batcher;
 use burn::data::dataloader::{DataLoader, DataLoaderBuilder};
 use burn::data::dataset::Dataset;
 use burn::module::Module;
-use burn::optim::SgdConfig;
+use burn::optim::{AdamConfig, ModuleOptimizer, SgdConfig};
 use burn::tensor::Device;
 use burn::train::metric::{AccuracyInput, AccuracyMetric, Adaptor, LossInput, LossMetric};
 use burn::train::{
@@ -20,7 +20,7 @@ use burn_ddp::train::{
     QuietRenderer,
 };
 
-use crate::config::{Config, ModelKind};
+use crate::config::{Config, ModelKind, OptimizerFlag};
 use crate::data::{CLASSES, DIGIT_PIXELS, Data, Digits, FEATURES, MyBatcher, MyDataset};
 use crate::model::{LARGE_SHAPE, MyModel, accuracy};
 
@@ -41,6 +41,8 @@ pub struct Report {
     pub bytes_per_step: usize,
     /// Mean milliseconds per step rank 0 waited for gradient communication (0 alone).
     pub exposed_ms: f64,
+    /// Bytes of this rank's optimizer state at the end (DdpLearner runs; what sharding cuts).
+    pub optimizer_state: Option<usize>,
 }
 
 /// Mean milliseconds per step the job's rank 0 waited for communication, from a learner's
@@ -157,16 +159,19 @@ pub fn run(group: Arc<ProcessGroup>, cfg: &Config) -> Result<Report> {
     let bytes_per_step = planned_bytes_per_step(&group, cfg, &model, &device)?;
     let start = std::time::Instant::now();
     let mut exposed_ms = 0.0;
+    let mut optimizer_state = None;
     let result = if cfg.plain {
         if group.world_size() != 1 {
             bail!("--plain trains with burn's own Learner, on one process only");
         }
-        training.launch(Learner::new(model, SgdConfig::new().init(), cfg.lr))
+        training.launch(Learner::new(model, optimizer(cfg), cfg.lr))
     } else {
         let learner = ddp_learner(group.clone(), cfg, model, &loaders.samplers, progress);
         let figures = learner.telemetry().clone();
+        figures.count_optimizer_state();
         let result = train_ddp(training, learner, cfg)?;
         exposed_ms = mean_exposed_ms(&figures);
+        optimizer_state = figures.optimizer_state_bytes();
         result
     };
     let train_seconds = start.elapsed().as_secs_f64();
@@ -185,6 +190,7 @@ pub fn run(group: Arc<ProcessGroup>, cfg: &Config) -> Result<Report> {
         samples: steps * cfg.batch_size * group.world_size(),
         bytes_per_step,
         exposed_ms,
+        optimizer_state,
     })
 }
 
@@ -334,7 +340,7 @@ fn ddp_learner(
     samplers: &Samplers,
     progress: ProgressOutput,
 ) -> DdpLearner<MyModel> {
-    DdpLearner::with_group(group, model, SgdConfig::new().init(), cfg.lr)
+    DdpLearner::with_group(group, model, optimizer(cfg), cfg.lr)
         .sampler(&samplers.train)
         .valid_sampler(&samplers.valid)
         .setting("batch_size", cfg.batch_size)
@@ -346,7 +352,17 @@ fn ddp_learner(
         .desync_check(!cfg.no_desync_check)
         .buffer_sync(cfg.buffer_sync.into())
         .compression(cfg.compression.into())
+        .shard_optimizer(cfg.shard.into())
+        .setting("optimizer", format!("{:?}", cfg.optimizer))
         .progress(progress)
+}
+
+/// The configured optimizer.
+fn optimizer(cfg: &Config) -> ModuleOptimizer {
+    match cfg.optimizer {
+        OptimizerFlag::Sgd => SgdConfig::new().init(),
+        OptimizerFlag::Adam => AdamConfig::new().init(),
+    }
 }
 
 /// Registers the learner's telemetry as metrics, adds profiling and checkpoints as

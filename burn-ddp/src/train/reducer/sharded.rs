@@ -17,6 +17,7 @@ use burn::tensor::Tensor;
 use super::{Give, GradientReducer, Take};
 use crate::collectives::ReduceOp;
 use crate::error::{DdpError, Result};
+use crate::train::ParamInfo;
 use crate::train::sharding::Owners;
 use crate::train::telemetry::StepStats;
 use crate::train::telemetry::trace::{COMMUNICATION, COMPUTE, Span, Trace};
@@ -191,6 +192,24 @@ impl GradientReducer {
             }
             (Some(_), _) => 2.0 * share * (grads + tails) as f64 + share * params as f64,
         }
+    }
+
+    /// Logs what this rank owns, when the work is sharded.
+    pub(crate) fn log_ownership(&self) {
+        let Some(owners) = &self.owners else {
+            return;
+        };
+        let owned = (0..self.params.len()).filter(|&p| owners.owns(p));
+        let tensors = owned.clone().count();
+        let elements: usize = owned.map(|p| self.params[p].numel()).sum();
+        let all: usize = self.params.iter().map(ParamInfo::numel).sum();
+        log::info!(
+            "rank {}: sharded ({}): steps and keeps optimizer state for {tensors} of {} \
+             trainable tensors, {elements} of {all} values",
+            owners.rank,
+            self.sharding,
+            self.params.len()
+        );
     }
 
     /// Whether the work is sharded (on several ranks).
