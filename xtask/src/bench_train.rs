@@ -1,6 +1,7 @@
 //! `bench-train`: the quickstart's step time and samples/s under `DdpLearner` against burn's
-//! `Learner` and across world sizes, transports and gradient compressions (and, with `--hosts`,
-//! across hosts of network namespaces on a slow link). It prints figures, it does not pass or
+//! `Learner` and across world sizes, transports and gradient compressions (with `--hosts`,
+//! across hosts of network namespaces on a slow link; with `--shard`, the sharded optimizer's
+//! memory and speed). It prints figures, it does not pass or
 //! fail; it builds in the release profile unless given `--debug` (the smoke test's way to run it
 //! quickly).
 
@@ -13,8 +14,8 @@ use clap::Args;
 use runner::Runner;
 use runner::TRANSFORMER;
 use runs::{
-    across_hosts_runs, summarise_across_hosts, summarise_this_host, summarise_transformer,
-    this_host_runs, transformer_runs,
+    across_hosts_runs, print_shard_table, shard_runs, summarise_across_hosts, summarise_shard,
+    summarise_this_host, summarise_transformer, this_host_runs, transformer_runs,
 };
 
 /// Quickstart step time of DdpLearner at world size 1 against burn's Learner, and samples/s at
@@ -23,15 +24,15 @@ use runs::{
 /// gradients.
 #[derive(Debug, Args)]
 pub struct BenchTrain {
-    /// Epochs per run
-    #[arg(long, value_name = "N", default_value_t = 3)]
-    epochs: usize,
+    /// Epochs per run [default: 3; with --shard: 1]
+    #[arg(long, value_name = "N")]
+    epochs: Option<usize>,
     /// Runs of each kind (the median is reported)
     #[arg(long, value_name = "N", default_value_t = 3)]
     repeats: usize,
-    /// Batch size per rank
-    #[arg(long, value_name = "B", default_value_t = 32)]
-    batch_size: usize,
+    /// Batch size per rank [default: 32; with --shard: 4]
+    #[arg(long, value_name = "B")]
+    batch_size: Option<usize>,
     /// Training samples per epoch [default: the quickstart's]
     #[arg(long, value_name = "N")]
     samples: Option<usize>,
@@ -51,9 +52,34 @@ pub struct BenchTrain {
     /// With --hosts: rate of each host's link in tc syntax (`1gbit`) [default: unlimited]
     #[arg(long, value_name = "RATE", requires = "hosts")]
     link_rate: Option<String>,
+    /// The sharded optimizer: a 20.6 M-parameter transformer (the `charlm` program's, 26
+    /// blocks of width 256) with AdamW at world 1, 2 and 4, unsharded and sharded (optimizer;
+    /// optimizer and gradients): each rank's optimizer-state bytes, peak resident memory, step
+    /// time and bytes sent per step
+    #[arg(long, conflicts_with_all = ["hosts", "model", "samples"])]
+    shard: bool,
     /// Build in the dev profile (quick to build, not for figures)
     #[arg(long)]
     debug: bool,
+}
+
+impl BenchTrain {
+    fn epochs(&self) -> usize {
+        self.epochs.unwrap_or(if self.shard { 1 } else { 3 })
+    }
+
+    fn batch_size(&self) -> usize {
+        self.batch_size.unwrap_or(if self.shard { 4 } else { 32 })
+    }
+
+    /// The network: the transformer with --shard.
+    fn model(&self) -> Option<&str> {
+        if self.shard {
+            Some(runner::TRANSFORMER)
+        } else {
+            self.model.as_deref()
+        }
+    }
 }
 
 /// One quickstart run's figures, read from its `--report` file.
@@ -63,6 +89,11 @@ struct Timing {
     samples: f64,
     /// Bytes each rank sends into the gradient all-reduces per step.
     bytes: f64,
+    /// Bytes each rank sends per step on a ring (with sharding: the reduce-scatter and the
+    /// parameters' all-gather).
+    sent: f64,
+    /// Each rank's optimizer-state bytes at the end, and its peak resident memory.
+    ranks: Vec<(f64, f64)>,
     /// Milliseconds per step rank 0 waited for gradient communication.
     exposed_ms: f64,
 }
@@ -117,9 +148,10 @@ impl TrainRun {
 pub fn bench_train(task: BenchTrain) -> Result<()> {
     let repeats = task.repeats.max(1);
     let runner = Runner::new(&task)?;
-    let transformer = task.model.as_deref() == Some(TRANSFORMER);
+    let transformer = task.model() == Some(TRANSFORMER);
     let runs = match task.hosts {
         Some(hosts) => across_hosts_runs(hosts, task.nproc_per_host, task.link_rate.as_deref()),
+        None if task.shard => shard_runs(),
         None if transformer => transformer_runs(),
         None => this_host_runs(),
     };
@@ -131,6 +163,11 @@ pub fn bench_train(task: BenchTrain) -> Result<()> {
         }
     }
     let model = runner.finish();
+    if task.shard {
+        print_shard_table(&task, repeats, &runs, &timings);
+        summarise_shard(&timings);
+        return Ok(());
+    }
     print_table(&task, &model, repeats, &runs, &timings);
     match task.hosts {
         Some(hosts) => summarise_across_hosts(&timings, hosts * task.nproc_per_host),
@@ -148,7 +185,7 @@ fn print_table(
     runs: &[TrainRun],
     timings: &[Vec<Timing>],
 ) {
-    let (epochs, batch) = (task.epochs, task.batch_size);
+    let (epochs, batch) = (task.epochs(), task.batch_size());
     println!(
         "bench-train: --model {model}, {epochs} epochs, batch {batch} per rank, median of \
          {repeats}"

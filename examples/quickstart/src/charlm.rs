@@ -32,7 +32,7 @@ use burn_ddp::ProcessGroup;
 use burn_ddp::train::{DdpLearner, DdpTraining, GradientReducer};
 
 use crate::model::percent_correct;
-use crate::training::{Display, Loaders, Report, mean_exposed_ms, supervised_training};
+use crate::training::{Display, Loaders, Report, Sent, mean_exposed_ms, supervised_training};
 
 /// The bundled text: Cicero, *De finibus bonorum et malorum*, book 1 (45 BC, public domain), as
 /// the `lipsum` crate ships it (`LIBER_PRIMUS`).
@@ -75,6 +75,8 @@ pub struct LmConfig {
     pub artifacts: std::path::PathBuf,
     /// Train on the first this many sequences only (tests).
     pub max_sequences: Option<usize>,
+    /// How the optimizer's work is sharded across the ranks.
+    pub shard: crate::ShardFlag,
 }
 
 impl Default for LmConfig {
@@ -97,6 +99,7 @@ impl Default for LmConfig {
             params_out: None,
             artifacts: std::env::temp_dir().join("burn-ddp-charlm"),
             max_sequences: None,
+            shard: crate::ShardFlag::None,
         }
     }
 }
@@ -308,11 +311,13 @@ pub fn train_model(group: Arc<ProcessGroup>, cfg: &LmConfig, model: CharLm) -> R
         .init()
         .map_err(anyhow::Error::msg)?;
     // What each rank's reducer sends per step (planning only, nothing is sent here).
-    let bytes_per_step = if group.world_size() > 1 && !cfg.plain {
+    let sent = if group.world_size() > 1 && !cfg.plain {
         let planned = model.clone().fork(&device);
-        GradientReducer::new(&planned, group.clone(), Default::default())?.bytes_per_step()
+        let reducer = GradientReducer::new(&planned, group.clone(), Default::default())?
+            .sharding(cfg.shard.into());
+        Sent::of(&reducer)
     } else {
-        0
+        Sent::default()
     };
     let start = std::time::Instant::now();
     let mut exposed_ms = 0.0;
@@ -328,6 +333,11 @@ pub fn train_model(group: Arc<ProcessGroup>, cfg: &LmConfig, model: CharLm) -> R
             .setting("lr", cfg.lr)
             .setting("seed", cfg.seed)
             .setting("dropout", cfg.dropout)
+            .setting(
+                "model",
+                format!("{}x{}x{}", cfg.layers, cfg.d_model, cfg.heads),
+            )
+            .shard_optimizer(cfg.shard.into())
             .progress(progress);
         let figures = learner.telemetry().clone();
         figures.count_optimizer_state();
@@ -349,7 +359,8 @@ pub fn train_model(group: Arc<ProcessGroup>, cfg: &LmConfig, model: CharLm) -> R
         train_seconds,
         steps,
         samples: steps * cfg.batch_size * group.world_size(),
-        bytes_per_step,
+        bytes_per_step: sent.buffers,
+        sent_per_step: sent.wire,
         exposed_ms,
         optimizer_state,
     })

@@ -61,9 +61,7 @@ pub fn main_with(defaults: Config) -> Result<()> {
     let report = run(group.clone(), &cfg)?;
     // Every rank's digest: equal digests show the replicas ended identical.
     println!("parameters digest {:016x}", report.digest());
-    if let Some(bytes) = report.optimizer_state {
-        println!("optimizer state {bytes} bytes");
-    }
+    report.publish_rank(cfg.report.as_deref(), group.rank())?;
     if group.rank() == 0 {
         report.publish(&cfg, group.world_size())?;
     }

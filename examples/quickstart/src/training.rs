@@ -39,10 +39,21 @@ pub struct Report {
     pub samples: usize,
     /// Bytes each rank sends into the gradient all-reduces per optimizer step (0 alone).
     pub bytes_per_step: usize,
+    /// Bytes each rank sends per optimizer step on a ring (0 alone; with sharding, the
+    /// reduce-scatter and the parameters' all-gather).
+    pub sent_per_step: f64,
     /// Mean milliseconds per step rank 0 waited for gradient communication (0 alone).
     pub exposed_ms: f64,
     /// Bytes of this rank's optimizer state at the end (DdpLearner runs; what sharding cuts).
     pub optimizer_state: Option<usize>,
+}
+
+/// This process's peak resident memory (`VmHWM` of `/proc/self/status`), in bytes.
+pub fn peak_rss_bytes() -> Option<u64> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let line = status.lines().find(|l| l.starts_with("VmHWM:"))?;
+    let kb: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kb * 1024)
 }
 
 /// Mean milliseconds per step the job's rank 0 waited for communication, from a learner's
@@ -64,6 +75,26 @@ impl Report {
             })
     }
 
+    /// Prints this rank's memory figures (its optimizer state, when counted, and its peak
+    /// resident memory) and, with `--report PATH`, writes them to `PATH.rank<r>` as key=value
+    /// (every rank calls it).
+    pub fn publish_rank(&self, report: Option<&std::path::Path>, rank: usize) -> Result<()> {
+        let peak = peak_rss_bytes();
+        if let Some(bytes) = self.optimizer_state {
+            println!("optimizer state {bytes} bytes");
+        }
+        if let Some(path) = report {
+            let path = path.with_extension(format!("rank{rank}"));
+            let line = format!(
+                "optimizer_state={} peak_rss={}\n",
+                self.optimizer_state.unwrap_or(0),
+                peak.unwrap_or(0)
+            );
+            std::fs::write(&path, line).with_context(|| format!("writing {}", path.display()))?;
+        }
+        Ok(())
+    }
+
     /// Prints the summary and writes `--report` (rank 0 calls it).
     pub fn publish(&self, cfg: &Config, world: usize) -> Result<()> {
         println!(
@@ -83,12 +114,13 @@ impl Report {
         }
         if let Some(path) = &cfg.report {
             let line = format!(
-                "steps={} seconds={} samples={} bytes_per_step={} exposed_ms={} accuracy={} \
-                 digest={:016x}\n",
+                "steps={} seconds={} samples={} bytes_per_step={} sent_per_step={} exposed_ms={} \
+                 accuracy={} digest={:016x}\n",
                 self.steps,
                 self.train_seconds,
                 self.samples,
                 self.bytes_per_step,
+                self.sent_per_step,
                 self.exposed_ms,
                 self.valid_accuracy,
                 self.digest()
@@ -156,7 +188,7 @@ pub fn run(group: Arc<ProcessGroup>, cfg: &Config) -> Result<Report> {
         loaders.train,
         loaders.valid,
     );
-    let bytes_per_step = planned_bytes_per_step(&group, cfg, &model, &device)?;
+    let sent = planned_bytes_per_step(&group, cfg, &model, &device)?;
     let start = std::time::Instant::now();
     let mut exposed_ms = 0.0;
     let mut optimizer_state = None;
@@ -188,7 +220,8 @@ pub fn run(group: Arc<ProcessGroup>, cfg: &Config) -> Result<Report> {
         train_seconds,
         steps,
         samples: steps * cfg.batch_size * group.world_size(),
-        bytes_per_step,
+        bytes_per_step: sent.buffers,
+        sent_per_step: sent.wire,
         exposed_ms,
         optimizer_state,
     })
@@ -310,25 +343,48 @@ where
     (training, progress)
 }
 
-/// What the learner's reducer will send per step (planning only, nothing is sent here): 0
+/// What the learner's reducer will send per step (planning only, nothing is sent here): the
+/// bytes it hands the collectives and the bytes each rank sends on a ring ([`Sent`]); zeros
 /// alone or with `--plain`.
 fn planned_bytes_per_step(
     group: &Arc<ProcessGroup>,
     cfg: &Config,
     model: &MyModel,
     device: &Device,
-) -> Result<usize> {
+) -> Result<Sent> {
     if group.world_size() > 1 && !cfg.plain {
-        Ok(GradientReducer::new(
+        let reducer = GradientReducer::new(
             &model.clone().fork(device),
             group.clone(),
             Default::default(),
         )?
         .desync_check(!cfg.no_desync_check)
         .compression(cfg.compression.into())
-        .bytes_per_step())
+        .sharding(cfg.shard.into());
+        Ok(Sent::of(&reducer))
     } else {
-        Ok(0)
+        Ok(Sent::default())
+    }
+}
+
+/// A step's communication as planned: bytes handed to the collectives, and bytes each rank
+/// sends on a ring (`GradientReducer::sent_per_step`: with sharding, the reduce-scatter and
+/// the parameters' all-gather).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Sent {
+    /// Bytes handed to the gradient collectives.
+    pub buffers: usize,
+    /// Bytes each rank sends.
+    pub wire: f64,
+}
+
+impl Sent {
+    /// What `reducer` plans.
+    pub fn of(reducer: &GradientReducer) -> Self {
+        Sent {
+            buffers: reducer.bytes_per_step(),
+            wire: reducer.sent_per_step(),
+        }
     }
 }
 

@@ -32,7 +32,7 @@ impl<'a> Runner<'a> {
         } else {
             "mlp"
         };
-        let model = task.model.clone().unwrap_or(default_model.into());
+        let model = task.model().unwrap_or(default_model).to_string();
         if model == TRANSFORMER && task.samples.is_some() {
             anyhow::bail!("--samples is the quickstart's: the transformer trains on its text");
         }
@@ -64,9 +64,9 @@ impl<'a> Runner<'a> {
         let mut args: Vec<String> = vec![
             "--quiet".into(),
             "--epochs".into(),
-            self.task.epochs.to_string(),
+            self.task.epochs().to_string(),
             "--batch-size".into(),
-            self.task.batch_size.to_string(),
+            self.task.batch_size().to_string(),
             "--report".into(),
             report.display().to_string(),
         ];
@@ -89,6 +89,9 @@ impl<'a> Runner<'a> {
     pub(super) fn run(&self, r: &TrainRun) -> Result<Timing> {
         let report = self.scratch.join("report.txt");
         let _ = std::fs::remove_file(&report);
+        for rank in 0..r.nproc {
+            let _ = std::fs::remove_file(report.with_extension(format!("rank{rank}")));
+        }
         let args = self.args(r, &report);
         match (&self.cluster, r.across_hosts) {
             (Some((cluster, launcher)), true) => {
@@ -105,7 +108,7 @@ impl<'a> Runner<'a> {
                 launch(&cfg).context("quickstart run")?;
             }
         }
-        read_timing(&report, &r.label)
+        read_timing(&report, &r.label, r.nproc)
     }
 
     /// Removes the hosts and the scratch directory; returns the model's name for the table.
@@ -128,22 +131,36 @@ fn program_of(model: &str) -> &'static str {
     }
 }
 
-/// Reads the quickstart's `--report` file of the run labelled `label`.
-fn read_timing(report: &Path, label: &str) -> Result<Timing> {
-    let text = std::fs::read_to_string(report)
-        .with_context(|| format!("reading the report of {label:?}"))?;
-    let field = |name: &str| -> Result<f64> {
+/// Reads the program's `--report` file of the run labelled `label`, and the memory figures of
+/// its `nproc` ranks (`report.rank<r>`, on this host; none for runs across hosts).
+fn read_timing(report: &Path, label: &str, nproc: usize) -> Result<Timing> {
+    let read = |path: &Path| {
+        std::fs::read_to_string(path)
+            .with_context(|| format!("reading {} of {label:?}", path.display()))
+    };
+    let field = |text: &str, name: &str| -> Result<f64> {
         text.split_whitespace()
             .find_map(|kv| kv.strip_prefix(&format!("{name}=")))
-            .with_context(|| format!("{name} missing from the report"))?
+            .with_context(|| format!("{name} missing from the report of {label:?}"))?
             .parse()
-            .with_context(|| format!("bad {name} in the report"))
+            .with_context(|| format!("bad {name} in the report of {label:?}"))
     };
+    let text = read(report)?;
+    let ranks = (0..nproc)
+        .map(|r| report.with_extension(format!("rank{r}")))
+        .filter(|path| path.exists())
+        .map(|path| {
+            let text = read(&path)?;
+            Ok((field(&text, "optimizer_state")?, field(&text, "peak_rss")?))
+        })
+        .collect::<Result<Vec<_>>>()?;
     Ok(Timing {
-        seconds: field("seconds")?,
-        steps: field("steps")?,
-        samples: field("samples")?,
-        bytes: field("bytes_per_step")?,
-        exposed_ms: field("exposed_ms")?,
+        seconds: field(&text, "seconds")?,
+        steps: field(&text, "steps")?,
+        samples: field(&text, "samples")?,
+        bytes: field(&text, "bytes_per_step")?,
+        sent: field(&text, "sent_per_step")?,
+        exposed_ms: field(&text, "exposed_ms")?,
+        ranks,
     })
 }

@@ -152,3 +152,123 @@ pub(super) fn summarise_across_hosts(timings: &[Vec<Timing>], world: usize) {
         across_bf16[0].bytes / across[0].bytes.max(1.0)
     );
 }
+
+/// The transformer of `bench-train --shard`: 26 blocks of width 256 (20.6 M parameters), on
+/// the text's first 64 sequences; unsharded, and sharded in either stage.
+const LM: &[&str] = &[
+    "--d-model",
+    "256",
+    "--heads",
+    "8",
+    "--layers",
+    "26",
+    "--max-sequences",
+    "64",
+];
+const LM_OPTIMIZER: &[&str] = &[
+    "--d-model",
+    "256",
+    "--heads",
+    "8",
+    "--layers",
+    "26",
+    "--max-sequences",
+    "64",
+    "--shard",
+    "optimizer",
+];
+const LM_GRADIENTS: &[&str] = &[
+    "--d-model",
+    "256",
+    "--heads",
+    "8",
+    "--layers",
+    "26",
+    "--max-sequences",
+    "64",
+    "--shard",
+    "gradients",
+];
+
+/// The runs of `bench-train --shard`: world 1, then worlds 2 and 4 unsharded, with the
+/// optimizer state sharded, and with the gradients too (shared memory).
+pub(super) fn shard_runs() -> Vec<TrainRun> {
+    let mut runs = vec![TrainRun::here("world 1", 1, LM).transport("auto")];
+    for world in [2, 4] {
+        for (what, extra) in [
+            ("unsharded", LM),
+            ("sharded: optimizer", LM_OPTIMIZER),
+            ("sharded: optimizer and gradients", LM_GRADIENTS),
+        ] {
+            runs.push(
+                TrainRun::here(format!("world {world}, {what}"), world, extra).transport("auto"),
+            );
+        }
+    }
+    runs
+}
+
+/// The largest of the ranks' figures `pick` chooses (median over the repeats), in MB.
+fn largest(t: &[Timing], pick: impl Fn(&(f64, f64)) -> f64) -> f64 {
+    median(
+        t.iter()
+            .map(|t| t.ranks.iter().map(&pick).fold(0.0, f64::max))
+            .collect(),
+    ) / 1e6
+}
+
+/// Prints the table of [`shard_runs`]: per run the step time, the largest optimizer state and
+/// peak resident memory of its ranks, and the bytes each rank sends per step.
+pub(in crate::bench_train) fn print_shard_table(
+    task: &super::BenchTrain,
+    repeats: usize,
+    runs: &[TrainRun],
+    timings: &[Vec<Timing>],
+) {
+    println!(
+        "bench-train --shard: transformer of 20.6 M parameters (26 x 256), AdamW, {} epoch(s) of \
+         64 sequences, batch {} per rank, shared memory, median of {repeats}",
+        task.epochs(),
+        task.batch_size()
+    );
+    println!(
+        "{:<42} {:>9} {:>17} {:>15} {:>13}",
+        "run", "ms/step", "opt. state/rank", "peak RSS/rank", "sent/step"
+    );
+    for (r, t) in runs.iter().zip(timings) {
+        println!(
+            "{:<42} {:>9.1} {:>14.1} MB {:>12.1} MB {:>10.1} MB",
+            r.label,
+            step(t),
+            largest(t, |(state, _)| *state),
+            largest(t, |(_, rss)| *rss),
+            t[0].sent / 1e6
+        );
+    }
+}
+
+/// The summary of [`shard_runs`]: against the unsharded run of each world, the optimizer state
+/// per rank (target: at most 1/N of it + 1 %), the step time (target at world 2: within 10 %)
+/// and the bytes sent (target: no more).
+pub(in crate::bench_train) fn summarise_shard(timings: &[Vec<Timing>]) {
+    for (i, world) in [2usize, 4].into_iter().enumerate() {
+        let base = &timings[1 + 3 * i];
+        let whole = largest(base, |(state, _)| *state);
+        for (stage, t) in [
+            ("optimizer", &timings[2 + 3 * i]),
+            ("optimizer and gradients", &timings[3 + 3 * i]),
+        ] {
+            let state = largest(t, |(state, _)| *state);
+            println!(
+                "world {world}, sharded ({stage}): optimizer state per rank {:.4} of unsharded \
+                 (target <= {:.4}), step time ratio {:.3}, bytes sent per step ratio {:.3}, peak \
+                 RSS per rank ratio {:.3}",
+                state / whole,
+                1.0 / world as f64 + 0.01,
+                step(t) / step(base),
+                t[0].sent / base[0].sent.max(1.0),
+                largest(t, |(_, rss)| *rss) / largest(base, |(_, rss)| *rss)
+            );
+        }
+    }
+}

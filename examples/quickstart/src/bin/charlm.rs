@@ -13,6 +13,7 @@ use std::sync::Arc;
 use anyhow::Context;
 use clap::Parser;
 use clap::builder::RangedU64ValueParser;
+use quickstart::ShardFlag;
 use quickstart::charlm::{LmConfig, train};
 
 /// A decoder-only transformer on Cicero, character by character, data-parallel.
@@ -56,6 +57,27 @@ struct Flags {
     /// Where rank 0 writes the final parameters as raw little-endian f32
     #[arg(long, value_name = "PATH")]
     params_out: Option<PathBuf>,
+    /// Width of the model
+    #[arg(long, default_value_t = LmConfig::default().d_model,
+          value_parser = RangedU64ValueParser::<usize>::new().range(1..))]
+    d_model: usize,
+    /// Attention heads (dividing --d-model)
+    #[arg(long, default_value_t = LmConfig::default().heads,
+          value_parser = RangedU64ValueParser::<usize>::new().range(1..))]
+    heads: usize,
+    /// Transformer blocks
+    #[arg(long, default_value_t = LmConfig::default().layers,
+          value_parser = RangedU64ValueParser::<usize>::new().range(1..))]
+    layers: usize,
+    /// Shard the optimizer's work across the ranks (ZeRO): optimizer state, or optimizer state
+    /// and gradients
+    #[arg(
+        long,
+        value_name = "WHAT",
+        default_value = "none",
+        conflicts_with = "plain"
+    )]
+    shard: ShardFlag,
     /// Train on the text's first N sequences only (quick runs)
     #[arg(long, value_name = "N",
           value_parser = RangedU64ValueParser::<usize>::new().range(1..))]
@@ -91,11 +113,23 @@ fn run() -> anyhow::Result<()> {
         report: f.report.clone(),
         params_out: f.params_out.clone(),
         max_sequences: f.max_sequences,
+        d_model: f.d_model,
+        heads: f.heads,
+        layers: f.layers,
+        shard: f.shard,
         ..LmConfig::default()
     };
+    if !cfg.d_model.is_multiple_of(cfg.heads) {
+        anyhow::bail!(
+            "--heads {} does not divide --d-model {}",
+            cfg.heads,
+            cfg.d_model
+        );
+    }
     let group = Arc::new(burn_ddp::init_process_group().context("forming the process group")?);
     let report = train(group.clone(), &cfg)?;
     println!("parameters digest {:016x}", report.digest());
+    report.publish_rank(cfg.report.as_deref(), group.rank())?;
     if group.rank() == 0 {
         let shown = quickstart::Config {
             epochs: cfg.epochs,
