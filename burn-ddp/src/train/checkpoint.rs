@@ -283,33 +283,6 @@ pub fn inspect_checkpoint(path: &Path) -> Result<Position> {
         })
 }
 
-/// Every rank's optimizer record (a sharded run's), or its failure to take it, gathered.
-pub(crate) fn gather_optim(
-    group: &ProcessGroup,
-    mine: std::result::Result<&[u8], &SnapshotError>,
-) -> Result<Vec<std::result::Result<Vec<u8>, String>>> {
-    let mut w = Writer::default();
-    match mine {
-        Ok(record) => w.u8(1).bytes(record),
-        Err(e) => w.u8(0).bytes(e.to_string().as_bytes()),
-    };
-    let all = group.all_gather(w.buf).wait()?;
-    (all.iter().enumerate())
-        .map(|(r, raw)| {
-            let mut reader = Reader::new(raw);
-            let decoded = (|| Ok::<_, DecodeError>((reader.u8()?, reader.bytes()?.to_vec())))();
-            match decoded {
-                Ok((1, record)) => Ok(Ok(record)),
-                Ok((_, why)) => Ok(Err(String::from_utf8_lossy(&why).into_owned())),
-                Err(e) => Err(DdpError::Checkpoint {
-                    rank: group.rank(),
-                    reason: format!("rank {r} sent a malformed optimizer record: {e}"),
-                }),
-            }
-        })
-        .collect()
-}
-
 /// Rank 0 writes `snapshot` (taken on rank 0 only); every rank learns the outcome.
 pub(crate) fn save(
     group: &ProcessGroup,

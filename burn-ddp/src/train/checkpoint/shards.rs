@@ -10,6 +10,9 @@ use burn::tensor::Bytes;
 use burn_pack::{Reader, Tensor, Writer};
 
 use super::SnapshotError;
+use crate::ProcessGroup;
+use crate::error::{DdpError, Result};
+use crate::wire::{self, DecodeError};
 
 /// One record's parts.
 struct Parts {
@@ -18,7 +21,7 @@ struct Parts {
     metadata: Vec<(String, String)>,
 }
 
-fn read(record: &[u8]) -> Result<Parts, SnapshotError> {
+fn read(record: &[u8]) -> std::result::Result<Parts, SnapshotError> {
     let bad = |e: burn_pack::Error| SnapshotError::Encode(format!("an optimizer record: {e}"));
     let reader = Reader::from_bytes(Bytes::from_bytes_vec(record.to_vec())).map_err(bad)?;
     let scalars = reader.scalars().clone().into_iter().collect();
@@ -31,7 +34,7 @@ fn read(record: &[u8]) -> Result<Parts, SnapshotError> {
     })
 }
 
-fn write(parts: Parts) -> Result<Vec<u8>, SnapshotError> {
+fn write(parts: Parts) -> std::result::Result<Vec<u8>, SnapshotError> {
     let mut writer = Writer::new(parts.tensors);
     for (key, value) in &parts.scalars {
         writer = writer.with_scalar(key, *value);
@@ -46,7 +49,7 @@ fn write(parts: Parts) -> Result<Vec<u8>, SnapshotError> {
 }
 
 /// The ranks' records merged into one: every tensor, scalar and path of each.
-pub(crate) fn merge(records: &[Vec<u8>]) -> Result<Vec<u8>, SnapshotError> {
+pub(crate) fn merge(records: &[Vec<u8>]) -> std::result::Result<Vec<u8>, SnapshotError> {
     let mut all = Parts {
         tensors: Vec::new(),
         scalars: Vec::new(),
@@ -67,7 +70,10 @@ fn key_id(key: &str) -> Option<u64> {
 }
 
 /// `record` with only the entries of the parameters `ids`.
-pub(crate) fn keep(record: &[u8], ids: &HashSet<u64>) -> Result<Vec<u8>, SnapshotError> {
+pub(crate) fn keep(
+    record: &[u8],
+    ids: &HashSet<u64>,
+) -> std::result::Result<Vec<u8>, SnapshotError> {
     let mut parts = read(record)?;
     let mine = |id: Option<u64>| id.is_some_and(|id| ids.contains(&id));
     parts.tensors.retain(|t| mine(t.param_id));
@@ -77,8 +83,35 @@ pub(crate) fn keep(record: &[u8], ids: &HashSet<u64>) -> Result<Vec<u8>, Snapsho
 }
 
 /// Bytes of the state tensors in `record`.
-pub(crate) fn state_bytes(record: &[u8]) -> Result<usize, SnapshotError> {
+pub(crate) fn state_bytes(record: &[u8]) -> std::result::Result<usize, SnapshotError> {
     Ok(read(record)?.tensors.iter().map(Tensor::byte_len).sum())
+}
+
+/// Every rank's optimizer record (a sharded run's), or its failure to take it, gathered.
+pub(crate) fn gather_optim(
+    group: &ProcessGroup,
+    mine: std::result::Result<&[u8], &SnapshotError>,
+) -> Result<Vec<std::result::Result<Vec<u8>, String>>> {
+    let mut w = wire::Writer::default();
+    match mine {
+        Ok(record) => w.u8(1).bytes(record),
+        Err(e) => w.u8(0).bytes(e.to_string().as_bytes()),
+    };
+    let all = group.all_gather(w.buf).wait()?;
+    (all.iter().enumerate())
+        .map(|(r, raw)| {
+            let mut reader = wire::Reader::new(raw);
+            let decoded = (|| Ok::<_, DecodeError>((reader.u8()?, reader.bytes()?.to_vec())))();
+            match decoded {
+                Ok((1, record)) => Ok(Ok(record)),
+                Ok((_, why)) => Ok(Err(String::from_utf8_lossy(&why).into_owned())),
+                Err(e) => Err(DdpError::Checkpoint {
+                    rank: group.rank(),
+                    reason: format!("rank {r} sent a malformed optimizer record: {e}"),
+                }),
+            }
+        })
+        .collect()
 }
 
 #[cfg(test)]

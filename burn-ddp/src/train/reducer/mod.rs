@@ -26,16 +26,18 @@
 //! Communication therefore overlaps with packing and unpacking, not with backward.
 
 mod sharded;
+mod visit;
 
 use std::ops::Range;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Instant;
 
-use burn::module::{Module, ModuleVisitor, Param};
+use burn::module::Module;
 use burn::optim::GradientsParams;
 use burn::tensor::{Device, Tensor, TensorData};
 
+use self::visit::{Give, Take};
 use super::bucket::{BucketConfig, BucketPlan};
 use super::compression::{Compressed, Compression};
 use super::fingerprint::{FINGERPRINT_LEN, Fingerprint};
@@ -66,47 +68,6 @@ pub struct GradientReducer {
     /// then `plan` is the owners' plan.
     sharding: Sharding,
     owners: Option<Owners>,
-}
-
-/// Takes every trainable parameter's gradient out of `grads`, flattened, in visit order.
-struct Take<'a> {
-    grads: &'a mut GradientsParams,
-    flat: Vec<Option<Tensor<1>>>,
-    device: Option<Device>,
-}
-
-impl ModuleVisitor for Take<'_> {
-    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
-        if !param.val().is_require_grad() {
-            return;
-        }
-        let g = self.grads.remove::<D>(param.id);
-        if let Some(g) = &g {
-            self.device.get_or_insert_with(|| g.device());
-        } else if self.device.is_none() {
-            self.device = Some(param.val().device().inner());
-        }
-        let n = param.val().shape().num_elements();
-        self.flat.push(g.map(|g| g.reshape([n])));
-    }
-}
-
-/// Registers reduced gradients back, reshaped to each parameter's shape.
-struct Give<'a> {
-    grads: &'a mut GradientsParams,
-    flat: std::vec::IntoIter<Option<Tensor<1>>>,
-}
-
-impl ModuleVisitor for Give<'_> {
-    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
-        if !param.val().is_require_grad() {
-            return;
-        }
-        if let Some(Some(g)) = self.flat.next() {
-            self.grads
-                .register::<D>(param.id, g.reshape(param.val().dims()));
-        }
-    }
 }
 
 impl GradientReducer {

@@ -10,45 +10,18 @@
 use std::collections::HashSet;
 use std::time::Instant;
 
-use burn::module::{Module, ModuleVisitor, Param};
+use burn::module::Module;
 use burn::optim::GradientsParams;
 use burn::tensor::Tensor;
 
-use super::{Give, GradientReducer, Take};
+use super::GradientReducer;
+use super::visit::{Give, Ids, Take, Values};
 use crate::collectives::ReduceOp;
 use crate::error::{DdpError, Result};
 use crate::train::ParamInfo;
 use crate::train::sharding::Owners;
 use crate::train::telemetry::StepStats;
 use crate::train::telemetry::trace::{COMMUNICATION, COMPUTE, Span, Trace};
-
-/// Every trainable parameter's value, flattened, on its backend without autodiff, in visit
-/// order.
-#[derive(Default)]
-struct Values(Vec<Tensor<1>>);
-
-impl ModuleVisitor for Values {
-    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
-        let t = param.val();
-        if t.is_require_grad() {
-            let t = t.inner();
-            let n = t.shape().num_elements();
-            self.0.push(t.reshape([n]));
-        }
-    }
-}
-
-/// Every trainable parameter's id, in visit order.
-#[derive(Default)]
-struct Ids(Vec<u64>);
-
-impl ModuleVisitor for Ids {
-    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
-        if param.val().is_require_grad() {
-            self.0.push(param.id.val());
-        }
-    }
-}
 
 impl GradientReducer {
     /// [`GradientReducer::reduce_traced`] for [`crate::train::Sharding::OptimizerAndGradients`]:

@@ -31,7 +31,8 @@ impl DdpStrategy {
         let snapshot = if self.reducer.shards() {
             // Each rank holds the state of its own parameters: rank 0 merges them.
             let mine = Snapshot::take(learner, at, events, timeout);
-            let all = checkpoint::gather_optim(&self.group, mine.as_ref().map(Snapshot::optim))?;
+            let all =
+                checkpoint::shards::gather_optim(&self.group, mine.as_ref().map(Snapshot::optim))?;
             self.is_main().then(|| {
                 let merged = shards_merged(all)?;
                 mine.map(|s| s.with_optim(merged))

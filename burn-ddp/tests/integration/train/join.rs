@@ -2,7 +2,8 @@
 //! of batches train together; a rank that ran out takes part with zero gradients until every
 //! rank is done. The result is what the documented rule predicts: in a step where `k` of `n`
 //! ranks have a batch, the update is the sum of their gradients divided by `n`, computed here
-//! in one process as the gradient of (sum of those ranks' batch losses) / `n`.
+//! in one process as the gradient of (sum of those ranks' batch losses) / `n`; with the
+//! optimizer sharded too.
 
 use std::sync::Arc;
 
@@ -13,7 +14,9 @@ use burn::optim::{GradientsParams, SgdConfig};
 use burn::tensor::Tensor;
 use burn::train::{InferenceStep, SupervisedTraining};
 use burn_ddp::ProcessGroup;
-use burn_ddp::train::{DdpLearner, DdpTraining, ProgressOutput, QuietRenderer, flat_parameters};
+use burn_ddp::train::{
+    DdpLearner, DdpTraining, ProgressOutput, QuietRenderer, Sharding, flat_parameters,
+};
 
 use super::model::{Points, ToBatch, flex, new_net};
 use super::{assert_identical, relative_error, small_buckets};
@@ -38,7 +41,7 @@ impl Dataset<(Vec<f32>, usize)> for Shard {
 }
 
 /// Every rank's final parameters after one epoch over its own shard.
-fn train(accumulation: Option<usize>) -> Vec<Vec<f32>> {
+fn train(accumulation: Option<usize>, sharding: Sharding) -> Vec<Vec<f32>> {
     let device = flex();
     let model = new_net(&device, Some(7), false);
     run_world(2, options(60), |group: ProcessGroup| {
@@ -64,6 +67,7 @@ fn train(accumulation: Option<usize>) -> Vec<Vec<f32>> {
             DdpLearner::with_group(Arc::new(group), model.clone(), SgdConfig::new().init(), LR)
                 .buckets(small_buckets())
                 .uneven_inputs(true)
+                .shard_optimizer(sharding)
                 // Each rank's loaders are its own shard already.
                 .shard_loaders(false)
                 .progress(ProgressOutput::Keep);
@@ -113,13 +117,21 @@ fn predicted(accumulation: Option<usize>) -> Vec<f32> {
 
 #[test]
 fn uneven_inputs_train_together_as_the_rule_predicts() {
-    for accumulation in [None, Some(2)] {
-        let ranks = train(accumulation);
+    for (accumulation, sharding) in [
+        (None, Sharding::None),
+        (Some(2), Sharding::None),
+        (None, Sharding::OptimizerAndGradients),
+        (Some(2), Sharding::Optimizer),
+    ] {
+        let ranks = train(accumulation, sharding);
         assert_identical(&ranks.iter().map(Vec::as_slice).collect::<Vec<_>>());
         let want = predicted(accumulation);
         let err = relative_error(&ranks[0], &want);
-        eprintln!("accumulation {accumulation:?}: relative error {err:e}");
-        assert!(err <= 1e-5, "accumulation {accumulation:?}: {err:e}");
+        eprintln!("accumulation {accumulation:?}, sharding {sharding}: relative error {err:e}");
+        assert!(
+            err <= 1e-5,
+            "accumulation {accumulation:?}, {sharding}: {err:e}"
+        );
         let start = flat_parameters(&new_net(&flex(), Some(7), false));
         assert!(
             relative_error(&ranks[0], &start) > 1e-3,

@@ -1,7 +1,7 @@
 //! The sharded optimizer (ZeRO-1 and ZeRO-2) against plain DdpLearner and against one process
 //! with the global batch: SGD with momentum, Adam and AdamW (weight decay on), a learning-rate
 //! schedule and gradient clipping, worlds 2 and 3, several epochs; with gradient accumulation;
-//! with a parameter some steps leave without gradient. Each rank keeps only its share of the
+//! with a parameter some steps leave without gradient; with bf16 gradients. Each rank keeps only its share of the
 //! optimizer state, and sharded checkpoints resume at any world size, sharded or not.
 
 use std::sync::{Arc, Mutex};
@@ -14,8 +14,8 @@ use burn::optim::{AdamConfig, AdamWConfig, ModuleOptimizer, SgdConfig};
 use burn::train::SupervisedTraining;
 use burn_ddp::ProcessGroup;
 use burn_ddp::train::{
-    CHECKPOINT_FILE, CheckpointConfig, DdpLearner, DdpTraining, DistributedSampler, ProgressOutput,
-    QuietRenderer, Sharding, flat_parameters, inspect_checkpoint,
+    CHECKPOINT_FILE, CheckpointConfig, Compression, DdpLearner, DdpTraining, DistributedSampler,
+    ProgressOutput, QuietRenderer, Sharding, flat_parameters, inspect_checkpoint,
 };
 
 use super::job::{Job, run_job};
@@ -54,6 +54,7 @@ struct Run {
     sharding: Sharding,
     accumulation: Option<usize>,
     extra: bool,
+    compression: Compression,
 }
 
 /// What a rank ends with: its parameters, and the bytes of its optimizer state.
@@ -107,6 +108,7 @@ fn train(run: Run) -> Vec<Trained> {
             .valid_sampler(&valid_sampler)
             .buckets(small_buckets())
             .shard_optimizer(run.sharding)
+            .compression(run.compression)
             .progress(ProgressOutput::Keep);
         let figures = learner.telemetry().clone();
         figures.count_optimizer_state();
@@ -183,6 +185,7 @@ fn base(optim: Optim, world: usize) -> Run {
         sharding: Sharding::None,
         accumulation: None,
         extra: false,
+        compression: Compression::None,
     }
 }
 
@@ -214,6 +217,25 @@ fn sharded_training_with_accumulation_and_a_parameter_without_gradient() {
         extra: true,
         ..base(Optim::Adam, 3)
     });
+}
+
+/// Gradients reduce-scattered in bf16: replicas identical, and close to plain DDP with bf16
+/// gradients (both round each bucket to 8 bits of mantissa, in another order).
+#[test]
+fn sharded_training_with_bf16_gradients() {
+    let run = Run {
+        compression: Compression::Bf16,
+        ..base(Optim::AdamW, 3)
+    };
+    let plain = train(run);
+    for sharding in [Sharding::Optimizer, Sharding::OptimizerAndGradients] {
+        let sharded = train(Run { sharding, ..run });
+        let all: Vec<&[f32]> = sharded.iter().map(|t| t.params.as_slice()).collect();
+        assert_identical(&all);
+        let err = relative_error(&sharded[0].params, &plain[0].params);
+        eprintln!("bf16, {sharding}: {err:e} from plain DDP with bf16");
+        assert!(err <= 1e-2, "bf16, {sharding}: {err:e}");
+    }
 }
 
 /// A sharded run that stops after a checkpoint and resumes: at the same world size exactly as
