@@ -152,7 +152,9 @@ impl Collective {
 }
 
 /// Times `iters` runs of `collective` on `elems` elements of `T` after a warm-up; this rank's
-/// median.
+/// median. An all-reduce's result is the next one's input (the buffer stays warm, as a
+/// reducer's bucket does); a reduce-scatter's input is a copy made before the clock starts, and
+/// its result is dropped after the clock stops.
 fn time_collective<T>(
     group: &burn_ddp::ProcessGroup,
     collective: Collective,
@@ -164,20 +166,29 @@ where
     T: burn_ddp::Reduce + Default + Clone,
     Vec<T>: burn_ddp::Reducible,
 {
-    let buf = vec![T::default(); elems];
-    let run = |buf: Vec<T>| -> anyhow::Result<Duration> {
-        let t = Instant::now();
-        match collective {
-            Collective::AllReduce => drop(group.all_reduce(buf, op).wait()?),
-            Collective::ReduceScatter => drop(group.reduce_scatter(buf, op).wait()?),
-        }
-        Ok(t.elapsed())
+    let mut buf = vec![T::default(); elems];
+    let mut run = || -> anyhow::Result<Duration> {
+        Ok(match collective {
+            Collective::AllReduce => {
+                let t = Instant::now();
+                buf = group.all_reduce(std::mem::take(&mut buf), op).wait()?;
+                t.elapsed()
+            }
+            Collective::ReduceScatter => {
+                let input = buf.clone();
+                let t = Instant::now();
+                let part = group.reduce_scatter(input, op).wait()?;
+                let took = t.elapsed();
+                drop(part);
+                took
+            }
+        })
     };
     for _ in 0..(iters / 4).max(2) {
-        run(buf.clone())?;
+        run()?;
     }
     let times = (0..iters)
-        .map(|_| run(buf.clone()))
+        .map(|_| run())
         .collect::<anyhow::Result<Vec<_>>>()?;
     Ok(median(times))
 }
