@@ -4,7 +4,8 @@
 //!
 //! - `collectives`: all-reduce (sum, avg, max, min) of f32, f16, bf16 and f64 (where burn's CUDA
 //!   backend has f64) at several lengths against the host's reduction of every rank's input,
-//!   broadcast from the last rank, all-gather; the input is left as it was.
+//!   broadcast from the last rank, all-gather, reduce-scatter in equal and in given parts; the
+//!   input is left as it was.
 //! - `syncbn`: `SyncBatchNorm` forward and backward on each rank's half of a batch against
 //!   burn's `BatchNorm` on the whole batch (relative error at most 1e-5).
 //! - `die`: rank 1 exits (0.5 s in) while rank 0 waits in an all-reduce; rank 0 must fail with
@@ -174,8 +175,55 @@ fn collectives(group: &ProcessGroup, device: &Device, sizes: &[usize]) -> Result
                 })
                 .map(|()| String::new());
             failed += report(&format!("all_gather {dtype:?} n={n}"), outcome);
+            failed += reduce_scatter(group, (n, dtype), &input, &tensor)?;
         }
     }
+    Ok(failed)
+}
+
+/// Reduce-scatter of `n` values (`tensor`, the rank's `input`) cut in equal parts (the first
+/// `n - n % world` values: `ncclReduceScatter`) and in parts of `n` given lengths (padded to the
+/// longest on the way), against the host's sum of every rank's input.
+fn reduce_scatter(
+    group: &ProcessGroup,
+    (n, dtype): (usize, DType),
+    input: &dyn Fn(usize) -> Vec<f64>,
+    tensor: &dyn Fn() -> Tensor<1>,
+) -> Result<usize> {
+    let (rank, world) = (group.rank(), group.world_size());
+    let sum = |range: std::ops::Range<usize>| -> Vec<f64> {
+        range
+            .map(|i| (0..world).map(|r| input(r)[i]).sum())
+            .collect()
+    };
+    let mut failed = 0;
+    let even = n - n % world;
+    let part = even / world;
+    if even > 0 {
+        let got = group
+            .reduce_scatter(tensor().narrow(0, 0, even), ReduceOp::Sum)
+            .wait()?;
+        let outcome = compare(&host(got), &sum(rank * part..(rank + 1) * part), dtype);
+        failed += report(
+            &format!("reduce_scatter {dtype:?} n={even}"),
+            outcome.map(|()| String::new()),
+        );
+    }
+    // Rank r gets r + 1 parts' worth of the rest, the last rank what remains.
+    let mut parts: Vec<usize> = (0..world)
+        .map(|r| (r + 1) * n / (world * world + world))
+        .collect();
+    let given: usize = parts.iter().sum();
+    parts[world - 1] += n - given;
+    let start: usize = parts[..rank].iter().sum();
+    let got = group
+        .reduce_scatter_parts(tensor(), &parts, ReduceOp::Sum)
+        .wait()?;
+    let outcome = compare(&host(got), &sum(start..start + parts[rank]), dtype);
+    failed += report(
+        &format!("reduce_scatter_parts {dtype:?} {parts:?}"),
+        outcome.map(|()| String::new()),
+    );
     Ok(failed)
 }
 

@@ -261,6 +261,20 @@ if world1 e1 $(q --batch-size 32 --params-out "$work/e1.f32"); then
             fail "$name" "$(last "$work/e2$compression-0.log") / $(last "$work/e2$compression-1.log")"
         fi
     done
+    # The sharded optimizer (ZeRO-2: reduce-scatter, all-gather of the parameters) with Adam,
+    # against the same run unsharded.
+    if world2 adam $(q --batch-size 16 --optimizer adam --params-out "$work/adam.f32") &&
+        world2 zero $(q --batch-size 16 --optimizer adam --shard gradients --params-out "$work/zero.f32"); then
+        r=$(rel "$work/zero.f32" "$work/adam.f32")
+        name="DdpLearner world 2, Adam sharded (ZeRO-2) vs unsharded"
+        if python3 -c "import sys; sys.exit(0 if float('$r') <= 1e-5 else 1)" 2>/dev/null; then
+            pass "$name" "relative error $r (limit 1e-5); $(grep -h 'optimizer state' "$work"/zero-*.log | tr '\n' ' ')"
+        else
+            fail "$name" "relative error $r (limit 1e-5)"
+        fi
+    else
+        fail "DdpLearner world 2, Adam sharded (ZeRO-2)" "$(last "$work/zero-0.log") / $(last "$work/zero-1.log")"
+    fi
 else
     fail "quickstart, DdpLearner, world 1 x 32" "$(last "$work/e1.log")"
 fi
