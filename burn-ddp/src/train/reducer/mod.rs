@@ -9,6 +9,11 @@
 //! comes the bucket's [fingerprint](super::fingerprint). Buckets are summed, then the gradients
 //! scaled by `1 / world` on the device (flags and fingerprint stay exact sums).
 //!
+//! With the gradients sharded ([`Sharding::OptimizerAndGradients`]) each bucket is
+//! reduce-scattered into its owners' parts instead, and each rank unpacks its own part; the
+//! tails then travel apart as with compression, so that every rank checks all of them and all
+//! take the same decision (a desync, a skipped step).
+//!
 //! With [compression](super::compression) the buckets hold only gradients, in a 16-bit format,
 //! and the flags and fingerprints of all buckets travel in `f32` in one more, small all-reduce
 //! per step (16-bit formats cannot hold their sums exactly).
@@ -200,9 +205,6 @@ impl GradientReducer {
         if self.group.world_size() == 1 {
             return Ok((grads, stats));
         }
-        if let (Some(owners), Sharding::OptimizerAndGradients) = (&self.owners, self.sharding) {
-            return self.reduce_scattered(model, grads, at, trace, owners);
-        }
         let mut take = Take {
             grads: &mut grads,
             flat: Vec::with_capacity(self.params.len()),
@@ -223,14 +225,21 @@ impl GradientReducer {
 
         let n = self.plan.buckets.len();
         let compressed = self.compression != Compression::None;
+        // Sharding the gradients: each bucket is reduce-scattered into its owners' parts.
+        let scatter = match (&self.owners, self.sharding) {
+            (Some(owners), Sharding::OptimizerAndGradients) => Some(owners),
+            _ => None,
+        };
+        // Compressed or scattered: the tails of all buckets, for one f32 all-reduce after the
+        // buckets (every rank needs all of them).
+        let tails_apart = compressed || scatter.is_some();
         let mut pending = Vec::with_capacity(n);
-        // Compressed: the tails of all buckets, for one f32 all-reduce after the buckets.
         let mut tails = Vec::new();
         let mut first_sent = None;
         for b in 0..n {
             let packing = Instant::now();
             let (mut parts, tail) = self.pack(b, at, &mut flat, &device)?;
-            if compressed {
+            if tails_apart {
                 tails.extend(tail);
             } else {
                 let n = tail.len();
@@ -243,18 +252,24 @@ impl GradientReducer {
             if let Some(trace) = trace {
                 trace.span(Span::bucket("pack bucket", b), COMPUTE, packing, sent);
             }
-            let work = self.compression.start(&self.group, bucket, None, &device)?;
+            let parts_b = scatter.map(|o| o.parts[b].as_slice());
+            let work = (self.compression).start(&self.group, bucket, parts_b, &device)?;
             pending.push((work, sent));
         }
-        let tails = compressed.then(|| self.group.all_reduce(tails, ReduceOp::Sum));
+        let tails = tails_apart.then(|| self.group.all_reduce(tails, ReduceOp::Sum));
         let summed = self.wait_buckets(pending, trace, &mut stats)?;
         let unpacking = Instant::now();
         let (averaged, tails) = match tails {
-            Some(work) => (summed, work.wait()?),
+            // Compressed buckets were divided by the world size before they travelled.
+            Some(work) if compressed => (summed, work.wait()?),
+            Some(work) => (average(summed, self.group.world_size()), work.wait()?),
             None => self.split_tails(summed)?,
         };
-        let whole: Vec<_> = self.plan.buckets.iter().map(|b| 0..b.len).collect();
-        let mut reduced = self.unpack(at, averaged, &whole, &tails)?;
+        // The elements of each bucket this rank received: its part, or all of it.
+        let windows: Vec<_> = (0..n)
+            .map(|b| scatter.map_or(0..self.plan.buckets[b].len, |o| o.window(b)))
+            .collect();
+        let mut reduced = self.unpack(at, averaged, &windows, &tails)?;
         if let Some(owners) = &self.owners {
             for (p, g) in reduced.iter_mut().enumerate() {
                 if !owners.owns(p) {
@@ -354,9 +369,9 @@ impl GradientReducer {
             .collect();
         let tails = host_f32(Tensor::cat(tails, 0))?;
         let grads = (summed.into_iter().zip(&self.plan.buckets))
-            .map(|(sum, bucket)| sum.narrow(0, 0, bucket.len).mul_scalar(1.0 / world as f32))
+            .map(|(sum, bucket)| sum.narrow(0, 0, bucket.len))
             .collect();
-        Ok((grads, tails))
+        Ok((average(grads, world), tails))
     }
 
     /// Checks the fingerprints and the non-finite slots in the summed `tails` and hands out the
@@ -422,6 +437,13 @@ impl GradientReducer {
             ranks: self.group.status().report(),
         }
     }
+}
+
+/// Summed buckets divided by the world size.
+fn average(summed: Vec<Tensor<1>>, world: usize) -> Vec<Tensor<1>> {
+    (summed.into_iter())
+        .map(|sum| sum.mul_scalar(1.0 / world as f32))
+        .collect()
 }
 
 /// A tensor's values on the host, as `f32`.

@@ -1,11 +1,7 @@
-//! The reducer's sharded half (see [`crate::train::Sharding`]): gradients reduce-scattered
-//! bucket by bucket so that each rank receives its own parameters' averages, and after the
-//! optimizer step the owners' updated parameters all-gathered, bucket by bucket, for every rank.
-//!
-//! The presence flags, fingerprints and non-finite slots of all buckets travel apart, in one
-//! small `f32` all-reduce per step (as with compression): every rank checks all of them, so
-//! every rank takes the same decision (a desync, a skipped step) even for buckets it owns
-//! nothing of.
+//! The reducer's sharded half (see [`crate::train::Sharding`]): after the optimizer step the
+//! owners' updated parameters all-gathered, bucket by bucket, for every rank; what each rank
+//! owns; and what a step sends. (The gradients' reduce-scatter is the reduction of `mod.rs`
+//! with each bucket cut into its owners' parts.)
 
 use std::collections::HashSet;
 use std::time::Instant;
@@ -15,77 +11,12 @@ use burn::optim::GradientsParams;
 use burn::tensor::Tensor;
 
 use super::GradientReducer;
-use super::visit::{Give, Ids, Take, Values};
-use crate::collectives::ReduceOp;
+use super::visit::{Give, Ids, Values};
 use crate::error::{DdpError, Result};
 use crate::train::ParamInfo;
-use crate::train::sharding::Owners;
-use crate::train::telemetry::StepStats;
-use crate::train::telemetry::trace::{COMMUNICATION, COMPUTE, Span, Trace};
+use crate::train::telemetry::trace::{COMMUNICATION, Span, Trace};
 
 impl GradientReducer {
-    /// [`GradientReducer::reduce_traced`] for [`crate::train::Sharding::OptimizerAndGradients`]:
-    /// this rank's own parameters' averaged gradients only.
-    pub(super) fn reduce_scattered<M: Module>(
-        &self,
-        model: &M,
-        mut grads: GradientsParams,
-        at: (usize, usize),
-        trace: Option<&Trace>,
-        owners: &Owners,
-    ) -> Result<(GradientsParams, StepStats)> {
-        let mut stats = StepStats::default();
-        let mut take = Take {
-            grads: &mut grads,
-            flat: Vec::with_capacity(self.params.len()),
-            device: None,
-        };
-        model.visit(&mut take);
-        let (mut flat, device) = (take.flat, take.device);
-        let Some(device) = device else {
-            return Ok((grads, stats));
-        };
-        let mut pending = Vec::with_capacity(self.plan.buckets.len());
-        let mut tails = Vec::new();
-        let mut first_sent = None;
-        for (b, parts) in owners.parts.iter().enumerate() {
-            let packing = Instant::now();
-            let (values, tail) = self.pack(b, at, &mut flat, &device)?;
-            tails.extend(tail);
-            let bucket = Tensor::cat(values, 0);
-            let sent = Instant::now();
-            stats.pack += (sent - packing).as_secs_f64();
-            first_sent.get_or_insert(sent);
-            if let Some(trace) = trace {
-                trace.span(Span::bucket("pack bucket", b), COMPUTE, packing, sent);
-            }
-            let work = (self.compression).start(&self.group, bucket, Some(parts), &device)?;
-            pending.push((work, sent));
-        }
-        let tails = self.group.all_reduce(tails, ReduceOp::Sum);
-        let summed = self.wait_buckets(pending, trace, &mut stats)?;
-        let unpacking = Instant::now();
-        let tails = tails.wait()?;
-        let scale = if self.compression.dtype().is_some() {
-            1.0
-        } else {
-            1.0 / self.group.world_size() as f32
-        };
-        let averaged = summed.into_iter().map(|t| t.mul_scalar(scale)).collect();
-        let windows: Vec<_> = (0..owners.parts.len()).map(|b| owners.window(b)).collect();
-        let reduced = self.unpack(at, averaged, &windows, &tails)?;
-        model.visit(&mut Give {
-            grads: &mut grads,
-            flat: reduced.into_iter(),
-        });
-        if let Some(trace) = trace {
-            trace.span(Span::named("unpack"), COMPUTE, unpacking, Instant::now());
-        }
-        stats.communication = first_sent.map_or(0.0, |t| (unpacking - t).as_secs_f64());
-        stats.bytes = self.bytes_per_step() as f64;
-        Ok((grads, stats))
-    }
-
     /// After the optimizer stepped this rank's own parameters of `model`: every bucket's
     /// parameters all-gathered from their owners, as the values to give the parameters this
     /// rank does not own (by their ids, for [`crate::train::sharding::TakeOwners`]). `None`
