@@ -20,17 +20,7 @@ pub(super) fn all_reduce(group: &Backends, tensor: Tensor<1>, op: ReduceOp) -> W
     group.on_worker(move |w| {
         let (device, dtype) = (tensor.device(), tensor.dtype());
         let mut data = read_back(w, "all_reduce", tensor)?;
-        match dtype {
-            DType::F32 => reduce::<f32>(w, &mut data, op)?,
-            DType::F64 => reduce::<f64>(w, &mut data, op)?,
-            DType::F16 => reduce::<f16>(w, &mut data, op)?,
-            DType::BF16 => reduce::<bf16>(w, &mut data, op)?,
-            other => {
-                let cause =
-                    format!("all_reduce of a tensor: element type {other:?} cannot be reduced");
-                return Err(w.fail_here("all_reduce of a tensor".into(), cause));
-            }
-        }
+        reduce(w, &mut data, None, op)?;
         Ok(Tensor::from_data(data, (&device, dtype)))
     })
 }
@@ -45,17 +35,7 @@ pub(super) fn reduce_scatter(
     group.on_worker(move |w| {
         let (device, dtype) = (tensor.device(), tensor.dtype());
         let mut data = read_back(w, "reduce_scatter", tensor)?;
-        let mine = match dtype {
-            DType::F32 => scatter::<f32>(w, &mut data, &parts, op)?,
-            DType::F64 => scatter::<f64>(w, &mut data, &parts, op)?,
-            DType::F16 => scatter::<f16>(w, &mut data, &parts, op)?,
-            DType::BF16 => scatter::<bf16>(w, &mut data, &parts, op)?,
-            other => {
-                let cause =
-                    format!("reduce_scatter of a tensor: element type {other:?} cannot be reduced");
-                return Err(w.fail_here("reduce_scatter of a tensor".into(), cause));
-            }
-        };
+        let mine = reduce(w, &mut data, Some(&parts), op)?;
         let elem = dtype.size();
         let bytes = data.as_bytes()[mine.start * elem..mine.end * elem].to_vec();
         let part = TensorData::from_bytes_vec(bytes, [mine.len()], dtype);
@@ -139,39 +119,56 @@ fn read_back(w: &mut Worker, op: &str, tensor: Tensor<1>) -> Result<TensorData> 
     })
 }
 
-/// Reduce-scatters `data`, of element type `T`, into `parts`: the element range of this rank's.
-fn scatter<T: Reduce + burn::tensor::Element>(
+/// Reduces `data` (a float tensor's values) across the ranks as `op` says: all of it, or with
+/// `parts` this rank's part (its element range is returned).
+fn reduce(
     w: &mut Worker,
     data: &mut TensorData,
-    parts: &[usize],
+    parts: Option<&[usize]>,
     op: ReduceOp,
 ) -> Result<std::ops::Range<usize>> {
-    match data.as_mut_slice::<T>() {
-        Ok(values) => w.run(|t| t.reduce_scatter(values, parts, op)),
-        Err(e) => {
-            let cause = format!(
-                "a tensor's data cannot be read as {}: {e:?}",
-                T::DTYPE.name()
-            );
-            Err(w.fail_here("reduce_scatter of a tensor".into(), cause))
+    match data.dtype() {
+        DType::F32 => reduce_as::<f32>(w, data, parts, op),
+        DType::F64 => reduce_as::<f64>(w, data, parts, op),
+        DType::F16 => reduce_as::<f16>(w, data, parts, op),
+        DType::BF16 => reduce_as::<bf16>(w, data, parts, op),
+        other => {
+            let name = name_of(parts);
+            let cause = format!("{name} of a tensor: element type {other:?} cannot be reduced");
+            Err(w.fail_here(format!("{name} of a tensor"), cause))
         }
     }
 }
 
-/// Sums (or as `op` says) `data`, of element type `T`, across the ranks.
-fn reduce<T: Reduce + burn::tensor::Element>(
+/// [`reduce`] of values of element type `T`.
+fn reduce_as<T: Reduce + burn::tensor::Element>(
     w: &mut Worker,
     data: &mut TensorData,
+    parts: Option<&[usize]>,
     op: ReduceOp,
-) -> Result<()> {
+) -> Result<std::ops::Range<usize>> {
     match data.as_mut_slice::<T>() {
-        Ok(values) => w.run(|t| t.all_reduce(values, op)),
+        Ok(values) => match parts {
+            Some(parts) => w.run(|t| t.reduce_scatter(values, parts, op)),
+            None => {
+                let all = 0..values.len();
+                w.run(|t| t.all_reduce(values, op)).map(|()| all)
+            }
+        },
         Err(e) => {
             let cause = format!(
                 "a tensor's data cannot be read as {}: {e:?}",
                 T::DTYPE.name()
             );
-            Err(w.fail_here("all_reduce of a tensor".into(), cause))
+            Err(w.fail_here(format!("{} of a tensor", name_of(parts)), cause))
         }
+    }
+}
+
+/// The collective [`reduce`] runs.
+fn name_of(parts: Option<&[usize]>) -> &'static str {
+    match parts {
+        Some(_) => "reduce_scatter",
+        None => "all_reduce",
     }
 }
