@@ -399,56 +399,9 @@ fn failure_of(code: sys::ncclResult_t, last: String) -> Failure {
     }
 }
 
-impl DType {
-    fn raw(self) -> sys::ncclDataType_t {
-        match self {
-            DType::F64 => sys::ncclDataType_t::ncclFloat64,
-            DType::F32 => sys::ncclDataType_t::ncclFloat32,
-            DType::F16 => sys::ncclDataType_t::ncclFloat16,
-            DType::BF16 => sys::ncclDataType_t::ncclBfloat16,
-        }
-    }
-}
-
-impl RedOp {
-    fn raw(self) -> sys::ncclRedOp_t {
-        match self {
-            RedOp::Sum => sys::ncclRedOp_t::ncclSum,
-            RedOp::Avg => sys::ncclRedOp_t::ncclAvg,
-            RedOp::Max => sys::ncclRedOp_t::ncclMax,
-            RedOp::Min => sys::ncclRedOp_t::ncclMin,
-        }
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    /// The table maps every type and reduction to NCCL's own enumerators (their values are
-    /// NCCL's ABI: nccl.h's ncclDataType_t and ncclRedOp_t).
-    #[test]
-    fn types_and_reductions_are_nccls() {
-        let types = [
-            (DType::F64, sys::ncclDataType_t::ncclFloat64, 8),
-            (DType::F32, sys::ncclDataType_t::ncclFloat32, 7),
-            (DType::F16, sys::ncclDataType_t::ncclFloat16, 6),
-            (DType::BF16, sys::ncclDataType_t::ncclBfloat16, 9),
-        ];
-        for (ours, theirs, abi) in types {
-            assert_eq!(ours.raw(), theirs);
-            assert_eq!(ours.raw() as i32, abi, "{ours:?}");
-        }
-        let ops = [
-            (RedOp::Sum, 0),
-            (RedOp::Max, 2),
-            (RedOp::Min, 3),
-            (RedOp::Avg, 4),
-        ];
-        for (ours, abi) in ops {
-            assert_eq!(ours.raw() as i32, abi, "{ours:?}");
-        }
-    }
 
     /// The config NCCL is given is the 2.17 prefix of `ncclConfig_t` as NCCL_CONFIG_INITIALIZER
     /// fills it, but non-blocking.

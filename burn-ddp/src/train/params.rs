@@ -9,7 +9,7 @@ use burn::tensor::{DType, Tensor};
 
 use crate::ProcessGroup;
 use crate::error::{DdpError, Result};
-use crate::wire::Writer;
+use crate::wire::{Reader, Writer};
 
 /// One float tensor of a module (a parameter or a buffer such as a running mean).
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -285,14 +285,24 @@ pub fn broadcast_module<M: Module>(module: M, group: &ProcessGroup) -> Result<M>
     };
     let flat = group.broadcast(flat, 0).wait()?;
     let module = Assign::module(module, Select::All, flat);
+    let mine = param_ids(&module);
+    let mut w = Writer::default();
+    for &id in &mine {
+        w.u64(id);
+    }
+    let said = group.broadcast(w.buf, 0).wait()?;
+    let mut r = Reader::new(&said);
+    let ids = (mine.iter().map(|_| r.u64()).collect::<Result<Vec<u64>, _>>())
+        .and_then(|ids| r.finish().map(|()| ids))
+        .map_err(|e| DdpError::Disagreement(format!("rank 0's parameter ids: {e}")))?;
+    Ok(module.map(&mut SetIds(ids.into_iter())))
+}
+
+/// Every trainable parameter's `ParamId` (as `u64`), in visit order.
+pub(crate) fn param_ids<M: Module>(module: &M) -> Vec<u64> {
     let mut ids = Ids::default();
     module.visit(&mut ids);
-    let ids: Vec<u8> = ids.0.iter().flat_map(|id| id.to_le_bytes()).collect();
-    let ids = group.broadcast(ids, 0).wait()?;
-    let ids: Vec<u64> = (ids.chunks_exact(8))
-        .map(|b| u64::from_le_bytes(b.try_into().unwrap_or_default()))
-        .collect();
-    Ok(module.map(&mut SetIds(ids.into_iter())))
+    ids.0
 }
 
 /// Every trainable parameter's `ParamId`, in visit order.

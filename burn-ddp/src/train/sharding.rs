@@ -128,6 +128,15 @@ impl Owners {
         self.owner.get(p) == Some(&self.rank)
     }
 
+    /// Drops what belongs to parameters this rank does not own (`per_param` in visit order).
+    pub(crate) fn keep_own<T>(&self, per_param: &mut [Option<T>]) {
+        for (p, value) in per_param.iter_mut().enumerate() {
+            if !self.owns(p) {
+                *value = None;
+            }
+        }
+    }
+
     /// The elements of bucket `b` this rank owns.
     pub(crate) fn window(&self, b: usize) -> Range<usize> {
         let parts = &self.parts[b];

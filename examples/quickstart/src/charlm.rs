@@ -25,6 +25,7 @@ use burn::nn::transformer::{
 use burn::nn::{Embedding, EmbeddingConfig, LayerNorm, LayerNormConfig, Linear, LinearConfig};
 use burn::optim::AdamWConfig;
 use burn::optim::grad_clipping::GradientClippingConfig;
+use burn::optim::lr_scheduler::module_lr_scheduler::ModuleLrScheduler;
 use burn::optim::lr_scheduler::noam::NoamLrSchedulerConfig;
 use burn::tensor::{Device, Int, Tensor, TensorData};
 use burn::train::{ClassificationOutput, InferenceStep, Learner, TrainOutput, TrainStep};
@@ -32,7 +33,8 @@ use burn_ddp::ProcessGroup;
 use burn_ddp::train::{DdpLearner, DdpTraining, GradientReducer};
 
 use crate::model::percent_correct;
-use crate::training::{Display, Loaders, Report, Sent, mean_exposed_ms, supervised_training};
+use crate::report::{Report, Sent, mean_exposed_ms};
+use crate::training::{Display, Loaders, supervised_training};
 
 /// The bundled text: Cicero, *De finibus bonorum et malorum*, book 1 (45 BC, public domain), as
 /// the `lipsum` crate ships it (`LIBER_PRIMUS`).
@@ -274,6 +276,27 @@ pub fn accuracy(model: &CharLm, cfg: &LmConfig) -> f64 {
     percent_correct(InferenceStep::step(&model.clone().fork(&device), batch))
 }
 
+/// Noam's schedule, peaking at step `warmup` at `lr` (factor / sqrt(d_model * warmup)).
+fn schedule(cfg: &LmConfig) -> Result<ModuleLrScheduler> {
+    let factor = cfg.lr * ((cfg.d_model * cfg.warmup.max(1)) as f64).sqrt();
+    NoamLrSchedulerConfig::new(factor)
+        .with_warmup_steps(cfg.warmup.max(1))
+        .with_model_size(cfg.d_model)
+        .init()
+        .map_err(anyhow::Error::msg)
+}
+
+/// What each rank's reducer sends per step (planning only, nothing is sent here).
+fn planned_sent(group: &Arc<ProcessGroup>, cfg: &LmConfig, model: &CharLm) -> Result<Sent> {
+    if group.world_size() == 1 || cfg.plain {
+        return Ok(Sent::default());
+    }
+    let planned = model.clone().fork(&device());
+    let reducer = GradientReducer::new(&planned, group.clone(), Default::default())?
+        .sharding(cfg.shard.into());
+    Ok(Sent::of(&reducer))
+}
+
 /// Trains `model` (every rank's is replaced by rank 0's at the start) in `group`.
 pub fn train_model(group: Arc<ProcessGroup>, cfg: &LmConfig, model: CharLm) -> Result<Report> {
     if cfg.plain && group.world_size() != 1 {
@@ -303,22 +326,8 @@ pub fn train_model(group: Arc<ProcessGroup>, cfg: &LmConfig, model: CharLm) -> R
         .with_weight_decay(0.01)
         .with_grad_clipping(Some(GradientClippingConfig::Norm(cfg.clip)))
         .init();
-    // Noam's schedule peaks at step `warmup` at factor / sqrt(d_model * warmup).
-    let factor = cfg.lr * ((cfg.d_model * cfg.warmup.max(1)) as f64).sqrt();
-    let lr = NoamLrSchedulerConfig::new(factor)
-        .with_warmup_steps(cfg.warmup.max(1))
-        .with_model_size(cfg.d_model)
-        .init()
-        .map_err(anyhow::Error::msg)?;
-    // What each rank's reducer sends per step (planning only, nothing is sent here).
-    let sent = if group.world_size() > 1 && !cfg.plain {
-        let planned = model.clone().fork(&device);
-        let reducer = GradientReducer::new(&planned, group.clone(), Default::default())?
-            .sharding(cfg.shard.into());
-        Sent::of(&reducer)
-    } else {
-        Sent::default()
-    };
+    let lr = schedule(cfg)?;
+    let sent = planned_sent(&group, cfg, &model)?;
     let start = std::time::Instant::now();
     let mut exposed_ms = 0.0;
     let mut optimizer_state = None;

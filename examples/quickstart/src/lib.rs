@@ -3,7 +3,7 @@
 //! thin wrapper around [`run`].
 //!
 //! Modules: `data` (the synthetic set, the handwritten digits, batching), `model` (the MLP and
-//! its accuracy), `training` (one run, alone or as a rank, and its [`Report`]), `config` (the
+//! its accuracy), `training` (one run, alone or as a rank), `report` (what it measured: [`Report`]), `config` (the
 //! options and command line).
 
 #![warn(missing_docs)]
@@ -14,6 +14,7 @@ pub mod charlm;
 mod config;
 mod data;
 mod model;
+mod report;
 mod training;
 
 pub use config::{
@@ -23,7 +24,8 @@ pub use data::{
     CLASSES, DIGIT_PIXELS, Data, Digits, FEATURES, MyBatch, MyBatcher, MyDataset, MyItem,
 };
 pub use model::{MyModel, accuracy};
-pub use training::{Report, device, mean_exposed_ms, run};
+pub use report::{Report, mean_exposed_ms};
+pub use training::{device, run};
 
 use anyhow::{Context, Result};
 

@@ -112,15 +112,19 @@ pub(crate) fn negotiate(
         (Some(_), None) => return Ok(None),
         _ => {}
     }
+    // Without shared memory: an error when it was asked for, TCP otherwise.
     let forced = wants(Transport::Shm).is_some();
-    let idents: Vec<&str> = asks.iter().map(|(_, _, id)| id.as_str()).collect();
-    let hosts = hosts_of(&idents);
-    if let Some(why) = unsuitable(&hosts) {
+    let without = |why: String, level: log::Level| {
         if forced {
             return Err(fail(format!("{TRANSPORT_VAR}=shm, but {why}")));
         }
-        log::info!("rank {rank}: collectives over TCP ({why})");
-        return Ok(None);
+        log::log!(level, "rank {rank}: collectives over TCP ({why})");
+        Ok(None)
+    };
+    let idents: Vec<&str> = asks.iter().map(|(_, _, id)| id.as_str()).collect();
+    let hosts = hosts_of(&idents);
+    if let Some(why) = unsuitable(&hosts) {
+        return without(why, log::Level::Info);
     }
     let host = hosts.iter().position(|h| h.contains(&rank)).unwrap_or(0);
     let local = hosts[host].iter().position(|&r| r == rank).unwrap_or(0);
@@ -131,11 +135,7 @@ pub(crate) fn negotiate(
             "a segment of {} ranks with slots of {} bytes does not fit in memory",
             layout.world, asks[0].1
         );
-        if forced {
-            return Err(fail(format!("{TRANSPORT_VAR}=shm, but {why}")));
-        }
-        log::warn!("rank {rank}: shared memory unavailable ({why}), collectives over TCP");
-        return Ok(None);
+        return without(why, log::Level::Warn);
     }
     let peers = hosts[host].len() - 1;
     match map_segment(req, store, deadline, (host, local, peers), layout.len())? {
@@ -165,13 +165,7 @@ pub(crate) fn negotiate(
             channel.widen_leave_window(crate::testing::leave_window(req.port));
             Ok(Some(ShmSetup { channel, across }))
         }
-        Err(why) => {
-            if forced {
-                return Err(fail(format!("{TRANSPORT_VAR}=shm, but {why}")));
-            }
-            log::warn!("rank {rank}: shared memory unavailable ({why}), collectives over TCP");
-            Ok(None)
-        }
+        Err(why) => without(why, log::Level::Warn),
     }
 }
 

@@ -30,10 +30,10 @@
 //! so a crate outside burn cannot start a bucket's reduction while backward still runs.
 //! Communication therefore overlaps with packing and unpacking, not with backward.
 
+mod receive;
 mod sharded;
 mod visit;
 
-use std::ops::Range;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Instant;
@@ -42,7 +42,8 @@ use burn::module::Module;
 use burn::optim::GradientsParams;
 use burn::tensor::{Device, Tensor, TensorData};
 
-use self::visit::{Give, Take};
+use self::receive::average;
+use self::visit::{Give, take_gradients};
 use super::bucket::{BucketConfig, BucketPlan};
 use super::compression::{Compressed, Compression};
 use super::fingerprint::{FINGERPRINT_LEN, Fingerprint};
@@ -50,10 +51,10 @@ use super::non_finite::NonFinite;
 use super::params::{ParamInfo, layout};
 use super::sharding::{Owners, Sharding};
 use super::telemetry::StepStats;
-use super::telemetry::trace::{COMMUNICATION, COMPUTE, Span, Trace};
+use super::telemetry::trace::{COMPUTE, Span, Trace};
 use crate::ProcessGroup;
 use crate::collectives::ReduceOp;
-use crate::error::{DdpError, Result};
+use crate::error::Result;
 
 /// Averages gradients across the ranks of a group, bucket by bucket.
 pub struct GradientReducer {
@@ -73,6 +74,21 @@ pub struct GradientReducer {
     /// then `plan` is the owners' plan.
     sharding: Sharding,
     owners: Option<Owners>,
+}
+
+/// A bucket's reduction under way, and when it was sent.
+type InFlight = (Compressed, Instant);
+
+/// How one step's buckets are sent (see [`GradientReducer::send_buckets`]).
+struct Sending<'a> {
+    /// The step, for the fingerprints.
+    at: (usize, usize),
+    device: &'a Device,
+    /// The owners' parts when buckets are reduce-scattered.
+    scatter: Option<&'a Owners>,
+    /// Whether the tails travel apart from their buckets (compressed or scattered).
+    tails_apart: bool,
+    trace: Option<&'a Trace>,
 }
 
 impl GradientReducer {
@@ -205,24 +221,10 @@ impl GradientReducer {
         if self.group.world_size() == 1 {
             return Ok((grads, stats));
         }
-        let mut take = Take {
-            grads: &mut grads,
-            flat: Vec::with_capacity(self.params.len()),
-            device: None,
-        };
-        model.visit(&mut take);
-        let (mut flat, device) = (take.flat, take.device);
-        if flat.len() != self.params.len() {
-            return Err(DdpError::Disagreement(format!(
-                "the model has {} trainable tensors, the bucket plan {}",
-                flat.len(),
-                self.params.len()
-            )));
-        }
+        let (mut flat, device) = take_gradients(model, &mut grads, self.params.len())?;
         let Some(device) = device else {
             return Ok((grads, stats));
         };
-
         let n = self.plan.buckets.len();
         let compressed = self.compression != Compression::None;
         // Sharding the gradients: each bucket is reduce-scattered into its owners' parts.
@@ -233,29 +235,15 @@ impl GradientReducer {
         // Compressed or scattered: the tails of all buckets, for one f32 all-reduce after the
         // buckets (every rank needs all of them).
         let tails_apart = compressed || scatter.is_some();
-        let mut pending = Vec::with_capacity(n);
-        let mut tails = Vec::new();
-        let mut first_sent = None;
-        for b in 0..n {
-            let packing = Instant::now();
-            let (mut parts, tail) = self.pack(b, at, &mut flat, &device)?;
-            if tails_apart {
-                tails.extend(tail);
-            } else {
-                let n = tail.len();
-                parts.push(Tensor::from_data(TensorData::new(tail, [n]), &device));
-            }
-            let bucket = Tensor::cat(parts, 0);
-            let sent = Instant::now();
-            stats.pack += (sent - packing).as_secs_f64();
-            first_sent.get_or_insert(sent);
-            if let Some(trace) = trace {
-                trace.span(Span::bucket("pack bucket", b), COMPUTE, packing, sent);
-            }
-            let parts_b = scatter.map(|o| o.parts[b].as_slice());
-            let work = (self.compression).start(&self.group, bucket, parts_b, &device)?;
-            pending.push((work, sent));
-        }
+        let sending = Sending {
+            at,
+            device: &device,
+            scatter,
+            tails_apart,
+            trace,
+        };
+        let (pending, tails) = self.send_buckets(&sending, &mut flat, &mut stats)?;
+        let first_sent = pending.first().map(|(_, sent)| *sent);
         let tails = tails_apart.then(|| self.group.all_reduce(tails, ReduceOp::Sum));
         let summed = self.wait_buckets(pending, trace, &mut stats)?;
         let unpacking = Instant::now();
@@ -271,11 +259,7 @@ impl GradientReducer {
             .collect();
         let mut reduced = self.unpack(at, averaged, &windows, &tails)?;
         if let Some(owners) = &self.owners {
-            for (p, g) in reduced.iter_mut().enumerate() {
-                if !owners.owns(p) {
-                    *g = None;
-                }
-            }
+            owners.keep_own(&mut reduced);
         }
         model.visit(&mut Give {
             grads: &mut grads,
@@ -289,31 +273,38 @@ impl GradientReducer {
         Ok((grads, stats))
     }
 
-    /// Waits for the buckets in order, publishing which one this rank waits for; adds the
-    /// time waited to `stats.exposed` and each bucket's travel to `trace`.
-    fn wait_buckets(
+    /// Packs every bucket and starts its reduction (an all-reduce, or a reduce-scatter into
+    /// its owners' parts), in plan order; each bucket's tail goes with it, or into the returned
+    /// tails when they travel apart. Adds the packing time to `stats.pack`.
+    fn send_buckets(
         &self,
-        pending: Vec<(Compressed, Instant)>,
-        trace: Option<&Trace>,
+        how: &Sending<'_>,
+        flat: &mut [Option<Tensor<1>>],
         stats: &mut StepStats,
-    ) -> Result<Vec<Tensor<1>>> {
-        let status = self.group.status();
-        let n = pending.len();
-        let mut summed = Vec::with_capacity(n);
-        for (b, (work, sent)) in pending.into_iter().enumerate() {
-            status.activity(Some(format!("waits for bucket {} of {n}", b + 1)));
-            let waiting = Instant::now();
-            let done = work.wait();
-            let received = Instant::now();
-            status.activity(None);
-            stats.exposed += (received - waiting).as_secs_f64();
-            if let Some(trace) = trace {
-                let span = Span::bucket("all-reduce bucket", b);
-                trace.span(span, COMMUNICATION, sent, received);
+    ) -> Result<(Vec<InFlight>, Vec<f32>)> {
+        let n = self.plan.buckets.len();
+        let mut pending = Vec::with_capacity(n);
+        let mut tails = Vec::new();
+        for b in 0..n {
+            let packing = Instant::now();
+            let (mut parts, tail) = self.pack(b, how.at, flat, how.device)?;
+            if how.tails_apart {
+                tails.extend(tail);
+            } else {
+                let n = tail.len();
+                parts.push(Tensor::from_data(TensorData::new(tail, [n]), how.device));
             }
-            summed.push(done?);
+            let bucket = Tensor::cat(parts, 0);
+            let sent = Instant::now();
+            stats.pack += (sent - packing).as_secs_f64();
+            if let Some(trace) = how.trace {
+                trace.span(Span::bucket("pack bucket", b), COMPUTE, packing, sent);
+            }
+            let parts_b = how.scatter.map(|o| o.parts[b].as_slice());
+            let work = (self.compression).start(&self.group, bucket, parts_b, how.device)?;
+            pending.push((work, sent));
         }
-        Ok(summed)
+        Ok((pending, tails))
     }
 
     fn fingerprint(&self, b: usize, (epoch, step): (usize, usize)) -> Fingerprint {
@@ -359,97 +350,4 @@ impl GradientReducer {
         }
         Ok((parts, tail))
     }
-
-    /// Uncompressed buckets: their averaged gradients, and every bucket's tail read in one
-    /// device-to-host copy.
-    fn split_tails(&self, summed: Vec<Tensor<1>>) -> Result<(Vec<Tensor<1>>, Vec<f32>)> {
-        let world = self.group.world_size();
-        let tails: Vec<Tensor<1>> = (summed.iter().zip(&self.plan.buckets).enumerate())
-            .map(|(b, (t, bucket))| t.clone().narrow(0, bucket.len, self.tail_len(b)))
-            .collect();
-        let tails = host_f32(Tensor::cat(tails, 0))?;
-        let grads = (summed.into_iter().zip(&self.plan.buckets))
-            .map(|(sum, bucket)| sum.narrow(0, 0, bucket.len))
-            .collect();
-        Ok((average(grads, world), tails))
-    }
-
-    /// Checks the fingerprints and the non-finite slots in the summed `tails` and hands out the
-    /// averaged gradients (`grads`, one tensor per bucket, covering the elements `windows` of
-    /// it) some rank produced: none when the step is skipped for non-finite gradients.
-    fn unpack(
-        &self,
-        at: (usize, usize),
-        grads: Vec<Tensor<1>>,
-        windows: &[Range<usize>],
-        tails: &[f32],
-    ) -> Result<Vec<Option<Tensor<1>>>> {
-        let world = self.group.world_size();
-        let fingerprint = if self.check { FINGERPRINT_LEN } else { 0 };
-        let mut out = vec![None; self.params.len()];
-        let mut culprits = Vec::new();
-        let mut offset = 0;
-        for (b, (grads, bucket)) in grads.into_iter().zip(&self.plan.buckets).enumerate() {
-            let n = bucket.params.len();
-            let tail = &tails[offset..offset + self.tail_len(b)];
-            offset += self.tail_len(b);
-            if self.check
-                && let Err(reason) = self
-                    .fingerprint(b, at)
-                    .check(&tail[n..n + fingerprint], world)
-            {
-                return Err(self.desync(at, b, reason));
-            }
-            culprits.extend(NonFinite::marked(&tail[n + fingerprint..]));
-            let window = &windows[b];
-            for (k, (&p, &offset)) in bucket.params.iter().zip(&bucket.offsets).enumerate() {
-                let n = self.params[p].numel();
-                let inside = window.start <= offset && offset + n <= window.end;
-                if tail[k] > 0.0 && inside {
-                    out[p] = Some(grads.clone().narrow(0, offset - window.start, n));
-                }
-            }
-        }
-        if !culprits.is_empty() {
-            culprits.sort_unstable();
-            culprits.dedup();
-            if let Some(e) = self.non_finite.decide(self.group.rank(), &culprits, at) {
-                return Err(e);
-            }
-            return Ok(vec![None; self.params.len()]);
-        }
-        Ok(out)
-    }
-
-    /// Stops the group for a desync found in bucket `b` at `at`: the error every rank reports.
-    fn desync(&self, at: (usize, usize), b: usize, reason: impl std::fmt::Display) -> DdpError {
-        let cause = self.group.abort(&reason);
-        DdpError::Collective {
-            rank: self.group.rank(),
-            op: format!(
-                "gradient reduction of epoch {} step {} (bucket {} of {})",
-                at.0,
-                at.1,
-                b + 1,
-                self.plan.buckets.len()
-            ),
-            cause,
-            ranks: self.group.status().report(),
-        }
-    }
-}
-
-/// Summed buckets divided by the world size.
-fn average(summed: Vec<Tensor<1>>, world: usize) -> Vec<Tensor<1>> {
-    (summed.into_iter())
-        .map(|sum| sum.mul_scalar(1.0 / world as f32))
-        .collect()
-}
-
-/// A tensor's values on the host, as `f32`.
-fn host_f32(t: Tensor<1>) -> Result<Vec<f32>> {
-    t.into_data()
-        .convert::<f32>()
-        .try_into_vec::<f32>()
-        .map_err(|e| DdpError::Tensor(format!("{e:?}")))
 }

@@ -11,9 +11,10 @@ use burn::optim::GradientsParams;
 use burn::tensor::Tensor;
 
 use super::GradientReducer;
-use super::visit::{Give, Ids, Values};
+use super::visit::{Give, Values};
 use crate::error::{DdpError, Result};
 use crate::train::ParamInfo;
+use crate::train::params::param_ids;
 use crate::train::telemetry::trace::{COMMUNICATION, Span, Trace};
 
 impl GradientReducer {
@@ -124,10 +125,8 @@ impl GradientReducer {
     /// The `ParamId`s of the parameters of `model` this rank owns, when the work is sharded.
     pub(crate) fn owned_ids<M: Module>(&self, model: &M) -> Option<HashSet<u64>> {
         let owners = self.owners.as_ref()?;
-        let mut ids = Ids::default();
-        model.visit(&mut ids);
         Some(
-            (ids.0.into_iter().enumerate())
+            (param_ids(model).into_iter().enumerate())
                 .filter(|(p, _)| owners.owns(*p))
                 .map(|(_, id)| id)
                 .collect(),

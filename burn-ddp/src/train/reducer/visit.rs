@@ -1,9 +1,34 @@
 //! The reducer's visitors of a model's trainable parameters, in visit order: their gradients
-//! taken out of burn's `GradientsParams` and given back, their values and their ids.
+//! taken out of burn's `GradientsParams` and given back, and their values.
 
-use burn::module::{ModuleVisitor, Param};
+use burn::module::{Module, ModuleVisitor, Param};
 use burn::optim::GradientsParams;
 use burn::tensor::{Device, Tensor};
+
+use crate::error::{DdpError, Result};
+
+/// Takes every trainable parameter's gradient out of `grads` ([`Take`]), checking that the
+/// model has the `expected` number of trainable tensors; with the device of the first gradient
+/// (or parameter), `None` when the model has no trainable parameter.
+pub(super) fn take_gradients<M: Module>(
+    model: &M,
+    grads: &mut GradientsParams,
+    expected: usize,
+) -> Result<(Vec<Option<Tensor<1>>>, Option<Device>)> {
+    let mut take = Take {
+        grads,
+        flat: Vec::with_capacity(expected),
+        device: None,
+    };
+    model.visit(&mut take);
+    if take.flat.len() != expected {
+        return Err(DdpError::Disagreement(format!(
+            "the model has {} trainable tensors, the bucket plan {expected}",
+            take.flat.len(),
+        )));
+    }
+    Ok((take.flat, take.device))
+}
 
 /// Takes every trainable parameter's gradient out of `grads`, flattened, in visit order.
 pub(super) struct Take<'a> {
@@ -58,18 +83,6 @@ impl ModuleVisitor for Values {
             let t = t.inner();
             let n = t.shape().num_elements();
             self.0.push(t.reshape([n]));
-        }
-    }
-}
-
-/// Every trainable parameter's id, in visit order.
-#[derive(Default)]
-pub(super) struct Ids(pub Vec<u64>);
-
-impl ModuleVisitor for Ids {
-    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
-        if param.val().is_require_grad() {
-            self.0.push(param.id.val());
         }
     }
 }
