@@ -292,8 +292,8 @@ pub fn broadcast_module<M: Module>(module: M, group: &ProcessGroup) -> Result<M>
     }
     let said = group.broadcast(w.buf, 0).wait()?;
     let mut r = Reader::new(&said);
-    let ids = (mine.iter().map(|_| r.u64()).collect::<Result<Vec<u64>, _>>())
-        .and_then(|ids| r.finish().map(|()| ids))
+    let decoded: std::result::Result<Vec<u64>, _> = mine.iter().map(|_| r.u64()).collect();
+    let ids = (decoded.and_then(|ids| r.finish().map(|()| ids)))
         .map_err(|e| DdpError::Disagreement(format!("rank 0's parameter ids: {e}")))?;
     Ok(module.map(&mut SetIds(ids.into_iter())))
 }
