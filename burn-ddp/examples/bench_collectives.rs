@@ -211,6 +211,27 @@ impl From<Op> for ReduceOp {
     }
 }
 
+/// The title and column names of `collective`'s table.
+fn print_header(collective: Collective, group: &burn_ddp::ProcessGroup, args: &Args, op: ReduceOp) {
+    println!(
+        "burn-ddp {} ({}), world {}, {} {:?}, chunk {}, spin {:?}",
+        collective.name(),
+        group.transport(),
+        group.world_size(),
+        match args.dtype {
+            Dtype::F32 => "f32",
+            Dtype::Bf16 => "bf16 (sizes, algbw, busbw: of the f32 bytes they stand for)",
+        },
+        op,
+        human(args.chunk),
+        Duration::from_micros(args.spin_us)
+    );
+    println!(
+        "{:>9} {:>6} {:>12} {:>12} {:>12} {:>13}",
+        "size", "iters", "median(us)", "algbw(GB/s)", "busbw(GB/s)", "busbw/memcpy"
+    );
+}
+
 fn main() -> anyhow::Result<()> {
     let args = Args::parse();
     let (op, spin) = (ReduceOp::from(args.op), Duration::from_micros(args.spin_us));
@@ -236,22 +257,7 @@ fn main() -> anyhow::Result<()> {
     let mut report = String::new();
     for &collective in &args.collectives {
         if rank == 0 {
-            println!(
-                "burn-ddp {} ({}), world {n}, {} {:?}, chunk {}, spin {:?}",
-                collective.name(),
-                group.transport(),
-                match args.dtype {
-                    Dtype::F32 => "f32",
-                    Dtype::Bf16 => "bf16 (sizes, algbw, busbw: of the f32 bytes they stand for)",
-                },
-                op,
-                human(args.chunk),
-                spin
-            );
-            println!(
-                "{:>9} {:>6} {:>12} {:>12} {:>12} {:>13}",
-                "size", "iters", "median(us)", "algbw(GB/s)", "busbw(GB/s)", "busbw/memcpy"
-            );
+            print_header(collective, &group, &args, op);
         }
         for &size in &args.sizes {
             // A reduce-scatter cuts the buffer in equal parts.
