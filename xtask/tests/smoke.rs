@@ -13,279 +13,62 @@
 //! burn is not built a second time. A separate test binary, so that cargo runs it after, not
 //! beside, the timing-sensitive integration tests of burn-ddp.
 
-use std::collections::HashMap;
-use std::io::Read;
-use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
-use std::sync::OnceLock;
-use std::time::{Duration, Instant};
+#[path = "smoke/harness.rs"]
+mod harness;
 
-#[allow(dead_code)]
-#[path = "../src/build.rs"]
-mod build;
+use std::path::Path;
+use std::process::Command;
 
-/// The longest any one program may take (a loaded 2-core machine, debug build of burn).
-const LIMIT: Duration = Duration::from_secs(600);
+use harness::{Scratch, program, programs, run, tiny_training, xtask};
 
-fn workspace() -> &'static Path {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .parent()
-        .expect("xtask lies in the workspace")
-}
+/// The launcher's flags (burn-ddp-run, xtask multi-cpu and multi-gpu).
+const LAUNCHER_FLAGS: [&str; 10] = [
+    "--nproc-per-node",
+    "--nproc",
+    "--nnodes",
+    "--node-rank",
+    "--master-addr",
+    "--master-port",
+    "--max-restarts",
+    "--log-dir",
+    "--tee",
+    "--local-ranks-filter",
+];
+/// The quickstart's flags (quickstart, digits).
+const QUICKSTART_FLAGS: [&str; 20] = [
+    "--model",
+    "--buffer-sync",
+    "--compression",
+    "--profile",
+    "--epochs",
+    "--batch-size",
+    "--lr",
+    "--seed",
+    "--device",
+    "--save-model",
+    "--params-out",
+    "--samples",
+    "--digits",
+    "--artifacts",
+    "--plain",
+    "--quiet",
+    "--report",
+    "--checkpoint-dir",
+    "--checkpoint-every",
+    "--no-desync-check",
+];
 
-/// The target directory of this test binary (`TARGET/<profile>/deps/smoke-<hash>`): the
-/// programs are built there too, whatever `--target-dir` cargo test was given.
-fn target_dir() -> PathBuf {
-    let exe = std::env::current_exe().expect("the test binary's path");
-    exe.ancestors()
-        .nth(3)
-        .expect("the test binary lies in TARGET/<profile>/deps")
-        .to_path_buf()
-}
-
-/// Whether this build has burn's wgpu backend: `--features burn-ddp/wgpu` turns it on for every
-/// package of the build, this test's `burn` included (feature unification).
-fn burn_has_wgpu() -> bool {
-    use burn::tensor::{Device, DeviceKind};
-    /// Stands in for burn's `Device::wgpu` (a lazy constructor) where burn lacks it: an
-    /// inherent associated function takes precedence over a trait's, so with the backend the
-    /// call below is burn's and returns a `Device`.
-    #[allow(dead_code)]
-    trait WithoutWgpu {
-        fn wgpu(_: DeviceKind) -> Option<Device> {
-            None
-        }
-    }
-    impl WithoutWgpu for Device {}
-    trait IsDevice {
-        fn is_device(&self) -> bool;
-    }
-    impl IsDevice for Device {
-        fn is_device(&self) -> bool {
-            true
-        }
-    }
-    impl IsDevice for Option<Device> {
-        fn is_device(&self) -> bool {
-            false
-        }
-    }
-    Device::wgpu(DeviceKind::DefaultDevice).is_device()
-}
-
-/// The `--features` the programs are built with: those of this build that change what the
-/// workspace's programs are (see [`burn_has_wgpu`]).
-fn features() -> Option<&'static str> {
-    burn_has_wgpu().then_some("burn-ddp/wgpu")
-}
-
-/// Every binary and example of the workspace, by name, built once.
-fn programs() -> &'static HashMap<String, PathBuf> {
-    static BUILT: OnceLock<HashMap<String, PathBuf>> = OnceLock::new();
-    BUILT.get_or_init(|| {
-        let target = target_dir();
-        let mut selection = build::WORKSPACE_PROGRAMS.to_vec();
-        selection.extend([
-            "--target-dir",
-            target.to_str().expect("a UTF-8 target path"),
-        ]);
-        if let Some(features) = features() {
-            selection.extend(["--features", features]);
-        }
-        let built = build::build_all(&selection, false)
-            .unwrap_or_else(|e| panic!("building the workspace's programs: {e:#}"));
-        built.into_iter().map(|b| (b.name, b.path)).collect()
-    })
-}
-
-fn program(name: &str) -> Command {
-    let path = programs()
-        .get(name)
-        .unwrap_or_else(|| panic!("cargo built no program {name}"));
-    let mut cmd = Command::new(path);
-    cmd.current_dir(workspace());
-    cmd
-}
-
-fn xtask(args: &[&str]) -> Command {
-    let mut cmd = Command::new(env!("CARGO_BIN_EXE_xtask"));
-    cmd.args(args)
-        .current_dir(workspace())
-        .env("CARGO", build::cargo())
-        .env("CARGO_TARGET_DIR", target_dir())
-        .env(build::FEATURES_VAR, features().unwrap_or_default());
-    cmd
-}
-
-/// What a finished program wrote, and how it ended.
-struct Ran {
-    code: Option<i32>,
-    stdout: String,
-    stderr: String,
-}
-
-impl Ran {
-    fn describe(&self) -> String {
-        format!(
-            "exit {:?}\n--- stdout\n{}\n--- stderr\n{}",
-            self.code, self.stdout, self.stderr
-        )
-    }
-
-    /// Exits 0 and prints every one of `wanted` on stdout.
-    fn succeeds_printing(&self, wanted: &[&str]) {
-        assert_eq!(self.code, Some(0), "{}", self.describe());
-        for w in wanted {
-            assert!(
-                self.stdout.contains(w),
-                "{w:?} missing: {}",
-                self.describe()
-            );
-        }
-    }
-
-    /// Exits 2 (clap's usage error) with `tip` on stderr.
-    fn refuses_with(&self, tip: &str) {
-        assert_eq!(self.code, Some(2), "{}", self.describe());
-        assert!(
-            self.stderr.contains(tip),
-            "{tip:?} missing: {}",
-            self.describe()
-        );
-    }
-
-    /// The hex digests of every "parameters digest" line: one per rank.
-    fn digests(&self) -> Vec<&str> {
-        self.stdout
-            .lines()
-            .filter_map(|l| l.split("parameters digest ").nth(1))
-            .map(str::trim)
-            .collect()
-    }
-}
-
-/// Runs `cmd` to its end, killed (and the test failed) after [`LIMIT`].
-fn run(mut cmd: Command) -> Ran {
-    let what = format!("{cmd:?}");
-    let mut child = cmd
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap_or_else(|e| panic!("starting {what}: {e}"));
-    let drain = |mut from: Box<dyn Read + Send>| {
-        std::thread::spawn(move || {
-            let mut text = String::new();
-            let _ = from.read_to_string(&mut text);
-            text
-        })
-    };
-    let out = drain(Box::new(child.stdout.take().expect("piped")));
-    let err = drain(Box::new(child.stderr.take().expect("piped")));
-    let start = Instant::now();
-    let deadline = start + LIMIT;
-    let status = loop {
-        if let Some(status) = child.try_wait().expect("waiting for a child") {
-            break Some(status);
-        }
-        if Instant::now() > deadline {
-            let _ = child.kill();
-            let _ = child.wait();
-            break None;
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    };
-    let ran = Ran {
-        code: status.and_then(|s| s.code()),
-        stdout: out.join().unwrap_or_default(),
-        stderr: err.join().unwrap_or_default(),
-    };
-    assert!(
-        status.is_some(),
-        "{what} ran past {LIMIT:?}: {}",
-        ran.describe()
-    );
-    eprintln!("{:>7.1?} {what}", start.elapsed());
-    ran
-}
-
-/// A scratch directory for one program's files, removed when dropped.
-struct Scratch(PathBuf);
-
-impl Scratch {
-    fn new(name: &str) -> Self {
-        let dir =
-            std::env::temp_dir().join(format!("burn-ddp-smoke-{}-{name}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
-        std::fs::create_dir_all(&dir).expect("creating a scratch directory");
-        Scratch(dir)
-    }
-
-    fn arg(&self) -> String {
-        self.0.display().to_string()
-    }
-}
-
-impl Drop for Scratch {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
-
-/// Tiny quickstart flags, with burn-train's files in `artifacts`.
-fn tiny_training(artifacts: &Scratch) -> Vec<String> {
-    let artifacts = artifacts.arg();
-    ["--epochs", "1", "--samples", "64", "--batch-size", "16"]
-        .into_iter()
-        .map(String::from)
-        .chain(["--quiet".into(), "--artifacts".into(), artifacts])
-        .collect()
-}
-
+/// `--help` of every program and xtask task lists its flags.
 #[test]
-fn every_program_lists_its_flags_and_suggests_the_right_one() {
-    let launcher_flags = [
-        "--nproc-per-node",
-        "--nproc",
-        "--nnodes",
-        "--node-rank",
-        "--master-addr",
-        "--master-port",
-        "--max-restarts",
-        "--log-dir",
-        "--tee",
-        "--local-ranks-filter",
-    ];
-    let quickstart_flags = [
-        "--model",
-        "--buffer-sync",
-        "--compression",
-        "--profile",
-        "--epochs",
-        "--batch-size",
-        "--lr",
-        "--seed",
-        "--device",
-        "--save-model",
-        "--params-out",
-        "--samples",
-        "--digits",
-        "--artifacts",
-        "--plain",
-        "--quiet",
-        "--report",
-        "--checkpoint-dir",
-        "--checkpoint-every",
-        "--no-desync-check",
-    ];
+fn every_program_lists_its_flags() {
     let help = |mut cmd: Command| {
         cmd.arg("--help");
         run(cmd)
     };
-    help(program("burn-ddp-run")).succeeds_printing(&launcher_flags);
-    help(program("quickstart")).succeeds_printing(&quickstart_flags);
+    help(program("burn-ddp-run")).succeeds_printing(&LAUNCHER_FLAGS);
+    help(program("quickstart")).succeeds_printing(&QUICKSTART_FLAGS);
     help(program("digits"))
-        .succeeds_printing(&[&quickstart_flags[..], &["[default: 30]"]].concat());
+        .succeeds_printing(&[&QUICKSTART_FLAGS[..], &["[default: 30]"]].concat());
     help(program("hello_ddp")).succeeds_printing(&["Usage: hello_ddp"]);
     help(program("charlm")).succeeds_printing(&["--seq-len", "--dropout", "--warmup", "--plain"]);
     help(program("bench_collectives")).succeeds_printing(&[
@@ -306,7 +89,7 @@ fn every_program_lists_its_flags_and_suggests_the_right_one() {
     ];
     run(xtask(&["--help"])).succeeds_printing(&tasks);
     for task in ["multi-cpu", "multi-gpu"] {
-        let mut flags = launcher_flags.to_vec();
+        let mut flags = LAUNCHER_FLAGS.to_vec();
         flags.extend(["--example", "--release", "-- <ARGS>"]);
         run(xtask(&[task, "--help"])).succeeds_printing(&flags);
     }
@@ -335,7 +118,11 @@ fn every_program_lists_its_flags_and_suggests_the_right_one() {
     run(xtask(&["bench-train", "--help"])).succeeds_printing(&train);
     run(xtask(&["gpu-bundle", "--help"])).succeeds_printing(&["--out"]);
     run(xtask(&["soak", "--help"])).succeeds_printing(&["--iters"]);
+}
 
+/// A misspelled flag or a value out of range: clap's usage error, with the right flag named.
+#[test]
+fn every_program_suggests_the_right_flag() {
     let tip = |flag: &str| format!("tip: a similar argument exists: '{flag}'");
     let mut cmd = program("quickstart");
     cmd.args(["--epoch", "2"]);
