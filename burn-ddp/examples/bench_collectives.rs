@@ -226,7 +226,12 @@ impl From<Op> for ReduceOp {
 }
 
 /// The title and column names of `collective`'s table.
-fn print_header(collective: Collective, group: &burn_ddp::ProcessGroup, args: &Args, op: ReduceOp) {
+fn print_header(
+    collective: Collective,
+    group: &burn_ddp::ProcessGroup,
+    args: &Args,
+    (op, spin): (ReduceOp, Duration),
+) {
     println!(
         "burn-ddp {} ({}), world {}, {} {:?}, chunk {}, spin {:?}",
         collective.name(),
@@ -238,7 +243,7 @@ fn print_header(collective: Collective, group: &burn_ddp::ProcessGroup, args: &A
         },
         op,
         human(args.chunk),
-        Duration::from_micros(args.spin_us)
+        spin
     );
     println!(
         "{:>9} {:>6} {:>12} {:>12} {:>12} {:>13}",
@@ -272,7 +277,7 @@ fn main() -> anyhow::Result<()> {
     let mut report = String::new();
     for &collective in &args.collectives {
         if rank == 0 {
-            print_header(collective, &group, &args, op);
+            print_header(collective, &group, &args, (op, spin));
         }
         for &size in &args.sizes {
             // A reduce-scatter cuts the buffer in equal parts.

@@ -287,11 +287,16 @@ fn schedule(cfg: &LmConfig) -> Result<ModuleLrScheduler> {
 }
 
 /// What each rank's reducer sends per step (planning only, nothing is sent here).
-fn planned_sent(group: &Arc<ProcessGroup>, cfg: &LmConfig, model: &CharLm) -> Result<Sent> {
+fn planned_sent(
+    group: &Arc<ProcessGroup>,
+    cfg: &LmConfig,
+    model: &CharLm,
+    device: &Device,
+) -> Result<Sent> {
     if group.world_size() == 1 || cfg.plain {
         return Ok(Sent::default());
     }
-    let planned = model.clone().fork(&device());
+    let planned = model.clone().fork(device);
     let reducer = GradientReducer::new(&planned, group.clone(), Default::default())?
         .sharding(cfg.shard.into());
     Ok(Sent::of(&reducer))
@@ -327,7 +332,7 @@ pub fn train_model(group: Arc<ProcessGroup>, cfg: &LmConfig, model: CharLm) -> R
         .with_grad_clipping(Some(GradientClippingConfig::Norm(cfg.clip)))
         .init();
     let lr = schedule(cfg)?;
-    let sent = planned_sent(&group, cfg, &model)?;
+    let sent = planned_sent(&group, cfg, &model, &device)?;
     let start = std::time::Instant::now();
     let mut exposed_ms = 0.0;
     let mut optimizer_state = None;

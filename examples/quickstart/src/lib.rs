@@ -3,8 +3,8 @@
 //! thin wrapper around [`run`].
 //!
 //! Modules: `data` (the synthetic set, the handwritten digits, batching), `model` (the MLP and
-//! its accuracy), `training` (one run, alone or as a rank), `report` (what it measured: [`Report`]), `config` (the
-//! options and command line).
+//! its accuracy), `training` (one run, alone or as a rank), `report` (what it measured:
+//! [`Report`]), `config` (the options and command line).
 
 #![warn(missing_docs)]
 

@@ -13,9 +13,9 @@ use std::time::{Duration, Instant};
 mod build;
 
 /// The longest any one program may take (a loaded 2-core machine, debug build of burn).
-pub(crate) const LIMIT: Duration = Duration::from_secs(600);
+const LIMIT: Duration = Duration::from_secs(600);
 
-pub(crate) fn workspace() -> &'static Path {
+fn workspace() -> &'static Path {
     Path::new(env!("CARGO_MANIFEST_DIR"))
         .parent()
         .expect("xtask lies in the workspace")
@@ -23,7 +23,7 @@ pub(crate) fn workspace() -> &'static Path {
 
 /// The target directory of this test binary (`TARGET/<profile>/deps/smoke-<hash>`): the
 /// programs are built there too, whatever `--target-dir` cargo test was given.
-pub(crate) fn target_dir() -> PathBuf {
+fn target_dir() -> PathBuf {
     let exe = std::env::current_exe().expect("the test binary's path");
     exe.ancestors()
         .nth(3)
@@ -63,7 +63,7 @@ fn burn_has_wgpu() -> bool {
 
 /// The `--features` the programs are built with: those of this build that change what the
 /// workspace's programs are (see [`burn_has_wgpu`]).
-pub(crate) fn features() -> Option<&'static str> {
+fn features() -> Option<&'static str> {
     burn_has_wgpu().then_some("burn-ddp/wgpu")
 }
 

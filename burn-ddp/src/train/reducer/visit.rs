@@ -31,10 +31,10 @@ pub(super) fn take_gradients<M: Module>(
 }
 
 /// Takes every trainable parameter's gradient out of `grads`, flattened, in visit order.
-pub(super) struct Take<'a> {
-    pub grads: &'a mut GradientsParams,
-    pub flat: Vec<Option<Tensor<1>>>,
-    pub device: Option<Device>,
+struct Take<'a> {
+    grads: &'a mut GradientsParams,
+    flat: Vec<Option<Tensor<1>>>,
+    device: Option<Device>,
 }
 
 impl ModuleVisitor for Take<'_> {
