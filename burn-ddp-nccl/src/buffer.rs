@@ -75,9 +75,17 @@ impl DeviceBuffer {
         })
     }
 
-    /// A new buffer of `count` elements of this one's type, on its GPU `gpu`.
+    /// A new buffer of `count` elements of this one's type, on its GPU `gpu`: uninitialised,
+    /// or filled with NaN when [`POISON_VAR`] is `1` (the device check sets it, so that a
+    /// collective's result proves NCCL wrote every element: an unwritten output could otherwise
+    /// reuse freed memory that happens to hold the right values).
     pub(crate) fn new_like(&self, count: usize, gpu: usize) -> Result<Self, String> {
-        let output = Tensor::<1>::empty([count], (&self.device, self.prim.dtype));
+        let options = (&self.device, self.prim.dtype);
+        let output = if poison() {
+            Tensor::<1>::full([count], f32::NAN, options)
+        } else {
+            Tensor::<1>::empty([count], options)
+        };
         Self::of(output, gpu)
     }
 
@@ -114,4 +122,14 @@ fn into_cube(tensor: Tensor<1>) -> Result<CubeTensor, String> {
         .map_err(|e| format!("not a CUDA tensor ({e:?})"))?;
     let client = fused.client.clone();
     Ok(client.resolve_tensor_float::<CubeBackend>(fused))
+}
+
+/// Set to `1`, every collective's output buffer is filled with NaN before NCCL writes it (for
+/// checks; costs one fill kernel per collective).
+pub const POISON_VAR: &str = "BURN_DDP_NCCL_POISON";
+
+/// Whether [`POISON_VAR`] asks for poisoned outputs (read once).
+fn poison() -> bool {
+    static POISON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *POISON.get_or_init(|| std::env::var_os(POISON_VAR).is_some_and(|v| v == "1"))
 }

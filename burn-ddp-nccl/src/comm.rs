@@ -17,10 +17,11 @@
 //! copies, so a check there proves NCCL read and wrote the right memory.
 //!
 //! **Two halves.** [`NcclComm::start_all_reduce`] (and the broadcast and gather) runs on the
-//! thread that produced the tensor and takes a fence on that thread's CubeCL stream right after
-//! the kernels that wrote it; [`Pending::wait`], on any thread, waits for the fence, enqueues
-//! NCCL on the communicator's stream and polls until it finishes. Every wait is bounded: by the
-//! timeout, by [`NcclComm::abort`] from another thread (seen within a poll), by NCCL's own
+//! thread that produced the tensor, takes a fence on that thread's CubeCL stream right after
+//! the kernels that wrote it and the collective's turn (its place in the start order);
+//! [`Pending::wait`], on any thread, waits for the fence and for its turn, enqueues NCCL on the
+//! communicator's stream and polls until it finishes (`pending.rs`). Every wait is bounded: by
+//! the timeout, by [`NcclComm::abort`] from another thread (seen within a poll), by NCCL's own
 //! asynchronous error (a peer's network failure), and by the caller's watch, asked every
 //! [`crate::WATCH_INTERVAL`] (burn-ddp's reports a dead peer or the group's failure record; the
 //! wait then ends unless the collective finishes within [`crate::GRACE`]).
@@ -30,17 +31,18 @@
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use burn::tensor::Tensor;
-use burn_cubecl::cubecl::future::block_on;
 use cudarc::driver::{CudaContext, CudaStream};
 
-use crate::buffer::{DeviceBuffer, Fence};
+use crate::buffer::DeviceBuffer;
 use crate::error::NcclError;
 use crate::ffi::{self, Failure, RawComm, RawOp, State};
 use crate::library::Located;
-use crate::tables::{RedOp, join_advice};
+use crate::pending::Pending;
+use crate::tables::{RedOp, check_nccl_version, join_advice};
+use crate::turns::Turns;
 use crate::waiting::{Stop, poll_until};
 
 /// How long a dropped communicator may take to flush before it is aborted instead.
@@ -59,20 +61,26 @@ pub enum ReduceOp {
     Min,
 }
 
-/// Checks that libcuda and libnccl can be loaded, so that nothing later panics in a loader.
+/// Checks that libcuda, libnccl and libnvrtc (burn's CUDA kernels are compiled by it) can be
+/// loaded and that the NCCL is 2.14 or newer, so that
+/// nothing later panics in a loader ([`NcclError::MissingLibrary`],
+/// [`NcclError::UnsupportedNccl`]).
 pub fn check_libraries() -> Result<(), NcclError> {
     match ffi::libraries_present() {
-        (true, true) => Ok(()),
+        (true, true) if !ffi::nvrtc_present() => Err(Located::from_env().missing("libnvrtc")),
+        (true, true) => check_nccl_version(ffi::nccl_version()),
         (false, _) => Err(Located::from_env().missing("libcuda")),
         (true, false) => Err(Located::from_env().missing("libnccl")),
     }
 }
 
-/// A fresh NCCL unique id, created on rank 0 and passed to the others. Needs libnccl but no GPU.
+/// A fresh NCCL unique id, created on rank 0 and passed to the others. Needs libnccl (2.14 or
+/// newer) but no GPU.
 pub fn unique_id(rank: usize) -> Result<[u8; 128], NcclError> {
     if !ffi::libraries_present().1 {
         return Err(Located::from_env().missing("libnccl"));
     }
+    check_nccl_version(ffi::nccl_version())?;
     ffi::unique_id().map_err(|failure| NcclError::Nccl {
         rank,
         call: "ncclGetUniqueId",
@@ -81,22 +89,33 @@ pub fn unique_id(rank: usize) -> Result<[u8; 128], NcclError> {
 }
 
 /// An NCCL communicator on one GPU of this rank. Cloning shares it.
+///
+/// **Order.** NCCL pairs collectives across ranks by the order each rank enqueues them. Here
+/// that is the order they are started (`start_*`) on this communicator, and its clones: a
+/// [`Pending`] waited for before an earlier-started one waits (bounded) until the earlier one
+/// is enqueued or dropped. So every rank must start the same collectives, of the same lengths,
+/// in the same order; the threads that wait for them do not matter. A dropped [`Pending`]
+/// skips its collective; see its docs.
 #[derive(Clone)]
 pub struct NcclComm {
-    inner: Arc<Inner>,
+    pub(crate) inner: Arc<Inner>,
 }
 
 /// Fields drop in order: the communicator, then its stream, then the context they need.
-struct Inner {
-    raw: Mutex<RawComm>,
-    stream: Arc<CudaStream>,
-    ctx: Arc<CudaContext>,
-    rank: usize,
+pub(crate) struct Inner {
+    pub(crate) raw: Mutex<RawComm>,
+    pub(crate) stream: Arc<CudaStream>,
+    pub(crate) ctx: Arc<CudaContext>,
+    pub(crate) rank: usize,
     world: usize,
     gpu: usize,
-    /// Set by [`NcclComm::abort`]; the thread holding `raw` aborts it at its next poll.
-    aborted: AtomicBool,
-    timeout: Duration,
+    /// Set by [`NcclComm::abort`] (and by a wait that gave up); the thread holding `raw`
+    /// aborts it at its next poll.
+    pub(crate) aborted: AtomicBool,
+    /// Bounds each wait (for the whole of [`Pending::wait`]).
+    pub(crate) timeout: Duration,
+    /// The start order of its collectives, the order they are enqueued in.
+    turns: Arc<Turns>,
 }
 
 impl NcclComm {
@@ -152,6 +171,7 @@ impl NcclComm {
                 gpu,
                 aborted: AtomicBool::new(false),
                 timeout,
+                turns: Arc::default(),
             }),
         })
     }
@@ -272,6 +292,7 @@ impl NcclComm {
             op,
             name,
             ready,
+            ticket: self.inner.turns.take(),
             input,
             output,
         }
@@ -311,75 +332,8 @@ impl Drop for Inner {
     }
 }
 
-/// A collective started by [`NcclComm`]: wait for it (on any thread) to get the result.
-#[must_use = "the collective runs only in Pending::wait"]
-pub struct Pending {
-    comm: NcclComm,
-    op: RawOp,
-    name: &'static str,
-    ready: Fence,
-    input: DeviceBuffer,
-    output: DeviceBuffer,
-}
-
-impl Pending {
-    /// Waits for the input's kernels, runs the collective on NCCL's stream and polls until it
-    /// finishes, then returns the result (for a gather the concatenation of every rank's
-    /// tensor). The wait ends early, aborting the communicator, on NCCL's asynchronous error,
-    /// on the communicator's timeout, on [`NcclComm::abort`], or when `watch` (asked every
-    /// [`crate::WATCH_INTERVAL`]) returns a reason.
-    pub fn wait(self, watch: &mut dyn FnMut() -> Option<String>) -> Result<Tensor<1>, NcclError> {
-        let inner = &self.comm.inner;
-        let (rank, timeout) = (inner.rank, inner.timeout);
-        block_on(self.ready).map_err(|e| NcclError::Tensor {
-            rank,
-            reason: format!("the kernels that produced the tensor failed: {e}"),
-        })?;
-        let what = format!(
-            "{} of {} x {:?}",
-            self.name, self.input.count, self.input.dtype
-        );
-        let nccl_error = |failure: Failure| NcclError::Nccl {
-            rank,
-            call: self.name,
-            message: failure.to_string(),
-        };
-        let start = Instant::now();
-        let stream = inner.stream.cu_stream();
-        let mut raw = inner.raw.lock().unwrap_or_else(|p| p.into_inner());
-        inner.ctx.bind_to_thread().map_err(|e| NcclError::Cuda {
-            rank,
-            call: "cuCtxSetCurrent",
-            message: e.to_string(),
-        })?;
-        if inner.aborted.load(Ordering::Acquire) {
-            raw.abort();
-            return Err(stopped(rank, what, timeout, Stop::Aborted, nccl_error));
-        }
-        raw.enqueue(self.op, self.input.dtype, stream)
-            .map_err(nccl_error)?;
-        // First until NCCL has issued the collective (a non-blocking communicator may still be
-        // issuing it), then until the stream ran it, watching NCCL's asynchronous error.
-        let issued = poll_until(timeout, &inner.aborted, watch, || ready(raw.state()));
-        let finished = issued.and_then(|()| {
-            let left = timeout.saturating_sub(start.elapsed());
-            poll_until(left, &inner.aborted, watch, || match raw.state() {
-                State::Failed(message) => Err(message),
-                _ => ffi::stream_finished(stream),
-            })
-        });
-        if let Err(stop) = finished {
-            raw.abort();
-            return Err(stopped(rank, what, timeout, stop, nccl_error));
-        }
-        drop(raw);
-        // NCCL's stream is finished: the pins may go and burn may read the result.
-        Ok(self.output.into_tensor())
-    }
-}
-
 /// A poll of a communicator's state: done when ready.
-fn ready(state: State) -> Result<bool, Failure> {
+pub(crate) fn ready(state: State) -> Result<bool, Failure> {
     match state {
         State::Ready => Ok(true),
         State::InProgress => Ok(false),
@@ -388,13 +342,13 @@ fn ready(state: State) -> Result<bool, Failure> {
 }
 
 /// The error of a wait for `op` that ended before its work did (the communicator is aborted);
-/// NCCL's own failure becomes `failed`'s error.
-fn stopped(
+/// the work's own failure becomes `failed`'s error.
+pub(crate) fn stopped<E>(
     rank: usize,
     op: String,
     timeout: Duration,
-    stop: Stop<Failure>,
-    failed: impl FnOnce(Failure) -> NcclError,
+    stop: Stop<E>,
+    failed: impl FnOnce(E) -> NcclError,
 ) -> NcclError {
     match stop {
         Stop::TimedOut => NcclError::Timeout { rank, op, timeout },

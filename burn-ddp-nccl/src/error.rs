@@ -13,12 +13,30 @@ pub enum NcclError {
          path): {fix}"
     )]
     MissingLibrary {
-        /// `libcuda` or `libnccl`.
+        /// `libcuda`, `libnccl` or `libnvrtc`.
         library: &'static str,
         /// File names tried.
         looked_for: Vec<&'static str>,
         /// Directories searched.
         searched: Vec<PathBuf>,
+        /// How to fix it.
+        fix: String,
+    },
+    /// The libnccl that loads is older than this crate needs (`ncclCommInitRankConfig` and
+    /// `ncclCommFinalize` came with NCCL 2.14; cudarc panics on a missing symbol, so the
+    /// version is checked before any other NCCL call).
+    #[error(
+        "libnccl {found} (ncclGetVersion says {code}) is too old: burn-ddp-nccl needs NCCL \
+         {needed} or newer; {fix}"
+    )]
+    UnsupportedNccl {
+        /// The version found, `major.minor.patch` (or why it could not be read).
+        found: String,
+        /// `ncclGetVersion`'s code (`major * 10000 + minor * 100 + patch` since 2.9); 0 when
+        /// it could not be read.
+        code: i32,
+        /// The oldest version this crate takes.
+        needed: &'static str,
         /// How to fix it.
         fix: String,
     },

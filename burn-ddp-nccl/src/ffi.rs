@@ -5,7 +5,9 @@
 //! Safety argument, in one place:
 //! - cudarc loads libcuda and libnccl lazily and panics when one is missing; every function
 //!   here that reaches them is only called after [`libraries_present`] returned true for both
-//!   (the presence checks themselves only try to `dlopen` and report).
+//!   (the presence checks themselves only try to `dlopen` and report). cudarc also panics on a
+//!   missing symbol: [`nccl_version`] reads `ncclGetVersion` alone, without panicking, and NCCL
+//!   older than 2.14 (which lacks symbols used here) is refused before any other NCCL call.
 //! - A [`RawComm`] owns its `ncclComm_t`: created by `ncclCommInitRankConfig`, used only through
 //!   `&mut self` (its owner keeps it behind a mutex), and released exactly once: finalized and
 //!   destroyed on drop when healthy, aborted otherwise, and never used after an abort.
@@ -13,8 +15,9 @@
 //!   here that reaches the GPU (init, enqueue, stream query, finalize, abort).
 //! - [`RawComm::enqueue`] receives device pointers and counts that the caller took from live,
 //!   contiguous CubeCL buffers (of `count` elements; `world * count` for a gather's output) it
-//!   keeps pinned (a `ManagedResource`) until [`stream_finished`] said NCCL's stream finished or
-//!   the communicator was aborted, so NCCL reads and writes memory that stays allocated. No CubeCL
+//!   keeps pinned (a `ManagedResource`) until [`stream_finished`] said NCCL's stream finished
+//!   (after an abort too: the caller aborts first, then waits for the stream to drain, and
+//!   leaks the buffers if it does not), so NCCL reads and writes memory that stays allocated. No CubeCL
 //!   kernel touches it meanwhile: the caller waited for the fence CubeCL's stream recorded after
 //!   the kernels that produced the input, and hands the output to burn only after the wait.
 //! - Strings from `ncclGetErrorString` / `ncclGetLastError` are static or owned by NCCL and
@@ -31,6 +34,34 @@ use crate::tables::{DType, RedOp};
 pub(crate) fn libraries_present() -> (bool, bool) {
     // SAFETY: both only attempt to dlopen the candidate names and report the outcome.
     unsafe { (cu::is_culib_present(), sys::is_culib_present()) }
+}
+
+/// Whether libnvrtc (which compiles burn's CUDA kernels) can be loaded.
+pub(crate) fn nvrtc_present() -> bool {
+    // SAFETY: only attempts to dlopen the candidate names and reports the outcome.
+    unsafe { cudarc::nvrtc::sys::is_culib_present() }
+}
+
+/// `ncclGetVersion`'s code, read through cudarc's own handle on libnccl (the library every
+/// later call goes to) without touching any other NCCL symbol: cudarc panics on a missing one,
+/// and an NCCL older than this crate needs lacks some. `Err`: why it could not be read. Only
+/// called once [`libraries_present`] found libnccl.
+pub(crate) fn nccl_version() -> Result<i32, String> {
+    type GetVersion = unsafe extern "C" fn(*mut c_int) -> sys::ncclResult_t;
+    let mut code: c_int = 0;
+    // SAFETY: libnccl is present (the caller checked), so `culib` loads it instead of
+    // panicking; the symbol is looked up without panicking, and NCCL declares it
+    // `ncclResult_t ncclGetVersion(int *version)`; `code` is a valid out-pointer.
+    let result = unsafe {
+        let get = sys::culib()
+            .get::<GetVersion>(b"ncclGetVersion\0")
+            .map_err(|e| format!("libnccl has no ncclGetVersion: {e}"))?;
+        get(&mut code)
+    };
+    if result != sys::ncclResult_t::ncclSuccess {
+        return Err(format!("ncclGetVersion failed: {result:?}"));
+    }
+    Ok(code)
 }
 
 /// A failed NCCL or CUDA driver call: the result code and, for NCCL, its words for it and the

@@ -11,8 +11,10 @@
 //!   creates (`unique_id`) and passes to the others (burn-ddp sends it over the group's own
 //!   transport). All-reduce, broadcast and all-gather start on the calling thread and finish in
 //!   `Pending::wait` on any thread, bounded by a timeout, an abort from another thread, NCCL's
-//!   asynchronous errors and a watch the caller gives. The `cuda` feature turns on burn's kernel
-//!   fusion, so that the CUDA backend is one type in every user's build (see `comm.rs`).
+//!   asynchronous errors and a watch the caller gives; a communicator enqueues its collectives
+//!   in the order they were started, whichever threads wait for them. NCCL older than 2.14 is
+//!   refused with an [`NcclError`]. The `cuda` feature turns on burn's kernel fusion, so that
+//!   the CUDA backend is one type in every user's build (see `comm.rs`).
 //!
 //! Every `unsafe` call lives in one module (`ffi.rs`) with its safety argument; the crate
 //! denies `unsafe_code` everywhere else.
@@ -36,13 +38,21 @@ mod comm;
 #[allow(unsafe_code)]
 mod ffi;
 #[cfg(feature = "cuda")]
+mod pending;
+#[cfg(feature = "cuda")]
 mod tables;
+#[cfg(feature = "cuda")]
+mod turns;
 #[cfg(feature = "cuda")]
 mod waiting;
 
 #[cfg(feature = "cuda")]
-pub use comm::{NcclComm, Pending, ReduceOp, check_libraries, unique_id};
+pub use buffer::POISON_VAR;
+#[cfg(feature = "cuda")]
+pub use comm::{NcclComm, ReduceOp, check_libraries, unique_id};
 pub use error::NcclError;
+#[cfg(feature = "cuda")]
+pub use pending::Pending;
 #[cfg(feature = "cuda")]
 pub use tables::cuda_ordinal;
 #[cfg(feature = "cuda")]

@@ -7,6 +7,9 @@ use burn::tensor::{DType as BurnDType, Device};
 use burn_cubecl::CubeDevice;
 use cudarc::nccl::sys;
 
+use crate::error::NcclError;
+use crate::library::NCCL_DIR_VAR;
+
 /// The element types NCCL moves here.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum DType {
@@ -69,6 +72,40 @@ pub(crate) fn join_advice(message: &str) -> String {
     } else {
         message.to_string()
     }
+}
+
+/// The oldest NCCL this crate takes, as `ncclGetVersion` codes it (2.14.0:
+/// `ncclCommInitRankConfig`, `ncclCommFinalize` and non-blocking communicators came with it).
+pub(crate) const NCCL_NEEDED: i32 = 21_400;
+
+/// `ncclGetVersion`'s code as `major.minor.patch`: `major * 10000 + minor * 100 + patch` since
+/// NCCL 2.9, `major * 1000 + minor * 100 + patch` before.
+pub(crate) fn nccl_version_words(code: i32) -> String {
+    let (major, rest) = if code >= 10_000 {
+        (code / 10_000, code % 10_000)
+    } else {
+        (code / 1_000, code % 1_000)
+    };
+    format!("{major}.{}.{}", rest / 100, rest % 100)
+}
+
+/// Refuses an NCCL older than [`NCCL_NEEDED`], or one whose version could not be read (`Err`:
+/// why), with the versions in words and how to fix it.
+pub(crate) fn check_nccl_version(version: Result<i32, String>) -> Result<(), NcclError> {
+    let (found, code) = match version {
+        Ok(code) if code >= NCCL_NEEDED => return Ok(()),
+        Ok(code) => (nccl_version_words(code), code),
+        Err(why) => (format!("of unknown version ({why})"), 0),
+    };
+    Err(NcclError::UnsupportedNccl {
+        found,
+        code,
+        needed: "2.14.0 (21400)",
+        fix: format!(
+            "install a newer NCCL (for example `pip install nvidia-nccl-cu13`) and put its \
+             directory first on LD_LIBRARY_PATH (or in {NCCL_DIR_VAR} for burn-ddp's launcher)"
+        ),
+    })
 }
 
 impl DType {
@@ -173,5 +210,37 @@ mod tests {
             "{advice}"
         );
         assert_eq!(join_advice("ncclSystemError"), "ncclSystemError");
+    }
+
+    #[test]
+    fn nccl_versions_are_decoded_in_both_encodings() {
+        assert_eq!(nccl_version_words(21_400), "2.14.0");
+        assert_eq!(nccl_version_words(22_703), "2.27.3");
+        assert_eq!(nccl_version_words(21_300), "2.13.0");
+        // NCCL before 2.9: major * 1000 + minor * 100 + patch.
+        assert_eq!(nccl_version_words(2_804), "2.8.4");
+    }
+
+    /// An NCCL older than 2.14 (or one whose version cannot be read) is refused with both
+    /// versions named; 2.14 and later pass.
+    #[test]
+    fn an_nccl_older_than_2_14_is_refused_naming_both_versions() {
+        assert!(check_nccl_version(Ok(21_400)).is_ok());
+        assert!(check_nccl_version(Ok(22_703)).is_ok());
+        let msg = check_nccl_version(Ok(21_300)).unwrap_err().to_string();
+        assert!(
+            msg.starts_with("libnccl 2.13.0 (ncclGetVersion says 21300) is too old")
+                && msg.contains("needs NCCL 2.14.0 (21400) or newer")
+                && msg.contains("pip install"),
+            "{msg}"
+        );
+        let old = check_nccl_version(Ok(2_804)).unwrap_err().to_string();
+        assert!(old.starts_with("libnccl 2.8.4 "), "{old}");
+        let unread = check_nccl_version(Err("no ncclGetVersion".into()));
+        let unread = unread.unwrap_err().to_string();
+        assert!(
+            unread.contains("unknown version (no ncclGetVersion)"),
+            "{unread}"
+        );
     }
 }

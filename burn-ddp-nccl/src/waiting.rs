@@ -3,6 +3,7 @@
 //! [`WATCH_INTERVAL`] of the caller's watch reporting that the group failed elsewhere.
 
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc::TryRecvError;
 use std::time::{Duration, Instant};
 
 /// How often a wait asks the caller's watch whether the group failed elsewhere.
@@ -72,9 +73,60 @@ pub(crate) fn poll_until<E>(
     }
 }
 
+/// Waits for `blocking`, a wait that cannot be polled (CubeCL's fence on a stream: an event
+/// synchronize), bounded like [`poll_until`]: it runs on a helper thread whose outcome is
+/// polled. A wait that ends early leaves the helper blocked until `blocking` returns (it holds
+/// nothing but what `blocking` captured).
+pub(crate) fn wait_blocking(
+    timeout: Duration,
+    aborted: &AtomicBool,
+    watch: &mut dyn FnMut() -> Option<String>,
+    blocking: impl FnOnce() -> Result<(), String> + Send + 'static,
+) -> Result<(), Stop<String>> {
+    let (tx, rx) = std::sync::mpsc::sync_channel(1);
+    std::thread::Builder::new()
+        .name("burn-ddp-nccl-fence".into())
+        .spawn(move || {
+            // The waiter may have given up: nobody to tell then.
+            let _ = tx.send(blocking());
+        })
+        .map_err(|e| Stop::Failed(format!("could not start a thread to wait on: {e}")))?;
+    poll_until(timeout, aborted, watch, || match rx.try_recv() {
+        Ok(outcome) => outcome.map(|()| true),
+        Err(TryRecvError::Empty) => Ok(false),
+        Err(TryRecvError::Disconnected) => Err("the thread waiting for it panicked".to_string()),
+    })
+}
+
+/// Drops `keep` (buffers a stopped kernel may still use) only once `drained` says the work
+/// that could touch it finished, asking for at most `limit`; leaks it otherwise, since memory a
+/// kernel may still write must never be handed back for reuse. Returns whether it was dropped.
+pub(crate) fn keep_until_drained<K>(
+    keep: K,
+    limit: Duration,
+    mut drained: impl FnMut() -> bool,
+) -> bool {
+    let never = AtomicBool::new(false);
+    let done = poll_until(limit, &never, &mut || None, || {
+        Ok::<_, std::convert::Infallible>(drained())
+    });
+    if done.is_ok() {
+        drop(keep);
+        true
+    } else {
+        log::warn!(
+            "NCCL's stream did not finish within {limit:?} of the abort: its buffers are leaked \
+             rather than reused while a kernel may still write them"
+        );
+        std::mem::forget(keep);
+        false
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::sync::Arc;
 
     fn never() -> Option<String> {
         None
@@ -195,5 +247,99 @@ mod tests {
             "{:?}",
             t.elapsed()
         );
+    }
+
+    /// A blocking wait (CubeCL's fence) that outlasts the timeout ends at the timeout.
+    #[test]
+    fn a_blocking_wait_is_bounded_by_the_timeout() {
+        let t = Instant::now();
+        let r = wait_blocking(
+            Duration::from_millis(150),
+            &AtomicBool::new(false),
+            &mut never,
+            || {
+                std::thread::sleep(Duration::from_secs(3));
+                Ok(())
+            },
+        );
+        assert_eq!(r, Err(Stop::TimedOut));
+        assert!(t.elapsed() < Duration::from_secs(1), "{:?}", t.elapsed());
+    }
+
+    /// ... by an abort from another thread and by the watch, and reports the wait's own
+    /// outcome when it ends first.
+    #[test]
+    fn a_blocking_wait_is_bounded_by_an_abort_and_the_watch() {
+        let blocked = || {
+            std::thread::sleep(Duration::from_secs(3));
+            Ok(())
+        };
+        let t = Instant::now();
+        let r = wait_blocking(
+            Duration::from_secs(300),
+            &AtomicBool::new(true),
+            &mut never,
+            blocked,
+        );
+        assert_eq!(r, Err(Stop::Aborted));
+        let r = wait_blocking(
+            Duration::from_secs(300),
+            &AtomicBool::new(false),
+            &mut || Some("rank 1 died".into()),
+            blocked,
+        );
+        assert_eq!(r, Err(Stop::Watched("rank 1 died".into())));
+        assert!(t.elapsed() < Duration::from_secs(2), "{:?}", t.elapsed());
+        let never_aborted = AtomicBool::new(false);
+        let ok = wait_blocking(
+            Duration::from_secs(5),
+            &never_aborted,
+            &mut never,
+            || Ok(()),
+        );
+        assert_eq!(ok, Ok(()));
+        let failed = wait_blocking(Duration::from_secs(5), &never_aborted, &mut never, || {
+            Err("kernel failed".into())
+        });
+        assert_eq!(failed, Err(Stop::Failed("kernel failed".into())));
+    }
+
+    /// Records when it is dropped.
+    struct Buffers(Arc<std::sync::Mutex<Option<Instant>>>);
+
+    impl Drop for Buffers {
+        fn drop(&mut self) {
+            *self.0.lock().unwrap() = Some(Instant::now());
+        }
+    }
+
+    /// Buffers are handed back only after the stream drained, and never while it still runs.
+    #[test]
+    fn buffers_are_kept_until_the_stream_drained() {
+        let dropped = Arc::new(std::sync::Mutex::new(None));
+        let t = Instant::now();
+        let drains_at = Duration::from_millis(100);
+        let gone = keep_until_drained(Buffers(dropped.clone()), Duration::from_secs(5), || {
+            t.elapsed() >= drains_at
+        });
+        assert!(gone);
+        let at = dropped.lock().unwrap().expect("dropped once drained");
+        assert!(
+            at.duration_since(t) >= drains_at,
+            "dropped while the stream still ran"
+        );
+
+        let dropped = Arc::new(std::sync::Mutex::new(None));
+        let t = Instant::now();
+        let gone = keep_until_drained(Buffers(dropped.clone()), Duration::from_millis(100), || {
+            false
+        });
+        assert!(!gone);
+        assert_eq!(
+            *dropped.lock().unwrap(),
+            None,
+            "a running kernel's buffers were freed"
+        );
+        assert!(t.elapsed() < Duration::from_secs(2), "{:?}", t.elapsed());
     }
 }

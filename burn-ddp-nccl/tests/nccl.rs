@@ -48,6 +48,90 @@ mod cuda {
         }
     }
 
+    /// Set in the child process of [`an_nccl_older_than_2_14_is_refused_not_a_panic`].
+    const FAKE_NCCL_CHILD: &str = "BURN_DDP_NCCL_FAKE_OLD_CHILD";
+
+    /// An NCCL older than 2.14 lacks symbols cudarc would panic on: a fake `libnccl.so` that
+    /// exports only `ncclGetVersion` (saying 2.13.0) must be refused with an error naming both
+    /// versions. cudarc loads NCCL once per process, from the library path the process started
+    /// with, so the check runs in a child (this test binary, `old_nccl_child`) whose
+    /// `LD_LIBRARY_PATH` holds the fake.
+    #[test]
+    fn an_nccl_older_than_2_14_is_refused_not_a_panic() {
+        let dir = std::env::temp_dir().join(format!("bddp-fake-nccl-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let source = dir.join("fake_nccl.c");
+        std::fs::write(
+            &source,
+            "int ncclGetVersion(int *version) { *version = 21300; return 0; }\n",
+        )
+        .unwrap();
+        let built = std::process::Command::new("gcc")
+            .args(["-shared", "-fPIC", "-o"])
+            .arg(dir.join("libnccl.so"))
+            .arg(&source)
+            .status();
+        match built {
+            Ok(status) if status.success() => {}
+            other => {
+                eprintln!(
+                    "SKIPPED an_nccl_older_than_2_14_is_refused_not_a_panic: gcc could not build \
+                     the fake libnccl.so ({other:?}); THIS CHECK DID NOT RUN"
+                );
+                return;
+            }
+        }
+        let out = std::process::Command::new(std::env::current_exe().unwrap())
+            .args([
+                "--exact",
+                "cuda::old_nccl_child",
+                "--nocapture",
+                "--test-threads=1",
+            ])
+            .env("LD_LIBRARY_PATH", &dir)
+            .env(FAKE_NCCL_CHILD, "1")
+            .output()
+            .unwrap();
+        let _ = std::fs::remove_dir_all(&dir);
+        let text = format!(
+            "{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert!(out.status.success(), "the child failed:\n{text}");
+        let refusal = text
+            .lines()
+            .find_map(|l| l.split_once("REFUSED: ").map(|(_, refusal)| refusal))
+            .unwrap_or_else(|| panic!("no refusal in the child's output:\n{text}"));
+        assert!(
+            refusal.contains("2.13.0") && refusal.contains("21300") && refusal.contains("2.14"),
+            "{refusal}"
+        );
+    }
+
+    /// The child of [`an_nccl_older_than_2_14_is_refused_not_a_panic`]; does nothing unless
+    /// that test started it.
+    #[test]
+    fn old_nccl_child() {
+        if std::env::var_os(FAKE_NCCL_CHILD).is_none() {
+            return;
+        }
+        match unique_id(0) {
+            Err(e @ NcclError::UnsupportedNccl { .. }) => println!("REFUSED: {e}"),
+            other => panic!("an NCCL 2.13 was not refused: {other:?}"),
+        }
+        // Joining refuses it too (after libcuda, which this machine may lack).
+        let joined = NcclComm::new(0, 1, 0, &[0; 128], Duration::from_secs(1), &mut || None);
+        assert!(
+            matches!(
+                joined,
+                Err(NcclError::UnsupportedNccl { .. } | NcclError::MissingLibrary { .. })
+            ),
+            "{:?}",
+            joined.err()
+        );
+    }
+
     /// World size 1 on GPU 0: every collective writes a fresh buffer (the output equals the
     /// input only if NCCL read the input's memory and wrote the output's), started on this
     /// thread and finished on another; the input is left as it was (a clone shares its buffer).

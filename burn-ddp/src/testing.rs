@@ -52,3 +52,14 @@ pub fn mesh_addr_key(rank: usize) -> String {
 pub fn decode_status(raw: &[u8]) -> Option<RankStatus> {
     RankStatus::from_bytes(raw)
 }
+
+/// The group's all-gather of tensors of unequal lengths (`parts`, by rank), concatenated in rank
+/// order: crate-private because only the sharded optimizer calls it; here for its tests.
+#[cfg(feature = "train")]
+pub fn all_gather_parts(
+    group: &crate::ProcessGroup,
+    tensor: burn::tensor::Tensor<1>,
+    parts: &[usize],
+) -> crate::Work<burn::tensor::Tensor<1>> {
+    group.all_gather_parts(tensor, parts)
+}

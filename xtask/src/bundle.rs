@@ -1,6 +1,11 @@
 //! `gpu-bundle`: stripped release binaries and `run.sh`, the one-command GPU check for a bare
 //! machine with a GPU, CUDA 13 and NCCL (no cargo, no network): the NCCL crate's tests (world 1),
-//! `gpu_check` (burn-ddp's example: the multi-rank checks) and the quickstart.
+//! `gpu_check` (burn-ddp's example: the collectives at worlds 1 and 2, a dead rank, bandwidth,
+//! SyncBatchNorm, the matmul's precision) and the quickstart. run.sh (`assets/gpu-check.sh`)
+//! finds the libraries (system, CUDA toolkit or NVIDIA's Python wheels), puts their folders on
+//! `LD_LIBRARY_PATH`, prints each row as it is known, keeps its logs (under `$OUT` when set),
+//! ends within `BURN_DDP_GPU_CHECK_BUDGET` seconds (480), and fails without a GPU unless
+//! `BURN_DDP_GPU_CHECK_ALLOW_NO_GPU=1`; `xtask/tests/gpu_script.rs` runs it with stand-ins.
 
 use std::path::PathBuf;
 use std::process::Command;
@@ -95,7 +100,8 @@ pub fn gpu_bundle(task: GpuBundle) -> Result<()> {
     std::fs::set_permissions(&script, std::fs::Permissions::from_mode(0o755))?;
     let total = dir_size(&out)?;
     println!(
-        "gpu-bundle: {} ({:.1} MiB); on the GPU machine run: bash {}/run.sh",
+        "gpu-bundle: {} ({:.1} MiB); on the GPU machine run: bash {}/run.sh (logs under $OUT \
+         when set)",
         out.display(),
         total as f64 / (1 << 20) as f64,
         out.display()

@@ -47,6 +47,9 @@ pub(crate) struct Limits {
     pub timeout: Duration,
     /// Largest total an all-gather may produce.
     pub max_gather_bytes: usize,
+    /// Host tensors take the NCCL backend's plans with host collectives (tests only).
+    #[cfg(all(feature = "train", feature = "test-support"))]
+    pub nccl_plans_on_host: bool,
 }
 
 impl Backends {
@@ -61,6 +64,11 @@ impl Backends {
         limits: Limits,
     ) -> Result<Self> {
         let (jobs, thread) = Worker::spawn(rank, transport, store, status)?;
+        #[cfg(feature = "train")]
+        #[cfg(all(feature = "train", feature = "test-support"))]
+        let devices = super::device::DeviceBackends::nccl_plans_on_host(limits.nccl_plans_on_host);
+        #[cfg(all(feature = "train", not(feature = "test-support")))]
+        let devices = super::device::DeviceBackends::default();
         Ok(Backends {
             rank,
             world,
@@ -68,7 +76,7 @@ impl Backends {
             jobs: Some(jobs),
             thread: Some(thread),
             #[cfg(feature = "train")]
-            devices: Default::default(),
+            devices,
         })
     }
 

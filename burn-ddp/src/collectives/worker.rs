@@ -90,7 +90,7 @@ impl Worker {
     }
 
     /// This rank.
-    #[cfg(feature = "nccl")]
+    #[cfg(feature = "train")]
     pub(crate) fn rank(&self) -> usize {
         self.rank
     }

@@ -87,6 +87,9 @@ pub struct ProcessGroupBuilder {
     store_kind: StoreKind,
     socket_ifname: Option<String>,
     options: GroupOptions,
+    /// Host tensors take the NCCL backend's plans (tests only, see `nccl_plans_on_host`).
+    #[cfg(all(feature = "train", feature = "test-support"))]
+    nccl_plans_on_host: bool,
 }
 
 impl ProcessGroupBuilder {
@@ -105,6 +108,8 @@ impl ProcessGroupBuilder {
             store_kind: StoreKind::default(),
             socket_ifname: None,
             options: GroupOptions::default(),
+            #[cfg(all(feature = "train", feature = "test-support"))]
+            nccl_plans_on_host: false,
         }
     }
 
@@ -180,6 +185,15 @@ impl ProcessGroupBuilder {
         self.options = options;
         self
     }
+    /// Not API (feature `test-support`): tensors on host devices travel by the NCCL backend's
+    /// plans (agreement, padding, cutting) with the host collectives in place of NCCL's calls,
+    /// so that CI tests everything of the NCCL backend but those calls.
+    #[cfg(all(feature = "train", feature = "test-support"))]
+    #[doc(hidden)]
+    pub fn nccl_plans_on_host(mut self) -> Self {
+        self.nccl_plans_on_host = true;
+        self
+    }
 
     /// Forms the group: blocks until every rank has joined or the rendezvous timeout passes.
     pub fn build(self) -> Result<ProcessGroup> {
@@ -213,6 +227,8 @@ impl ProcessGroupBuilder {
         let limits = Limits {
             timeout: self.options.timeout,
             max_gather_bytes: self.options.max_gather_bytes,
+            #[cfg(all(feature = "train", feature = "test-support"))]
+            nccl_plans_on_host: self.nccl_plans_on_host,
         };
         let backends = Backends::start(
             rank,

@@ -33,8 +33,13 @@ pub const CHECKPOINT_FILE: &str = "checkpoint.bddp";
 const MAGIC: &[u8; 8] = b"BDDPCKPT";
 const VERSION: u32 = 1;
 
+pub(crate) mod burn_train;
+pub(crate) mod gather;
 mod handover;
 pub(crate) mod shards;
+
+#[cfg(feature = "test-support")]
+pub use gather::{GatherStats, last_gather};
 
 /// Where and how often [`DdpLearner`](super::DdpLearner) writes checkpoints.
 ///

@@ -17,7 +17,6 @@ use std::fmt::Display;
 use std::path::PathBuf;
 use std::sync::Arc;
 
-use burn::module::ParamGroup;
 use burn::optim::ModuleOptimizer;
 use burn::optim::lr_scheduler::module_lr_scheduler::ModuleLrScheduler;
 use burn::train::{
@@ -37,7 +36,7 @@ use super::quiet::QuietRenderer;
 use super::reducer::GradientReducer;
 use super::sampler::{DistributedSampler, SamplerRegistry};
 use super::settings::SharedSettings;
-use super::sharding::{Sharding, TakeOwners};
+use super::sharding::{Sharding, TakeOwners, take_owners_group};
 use super::strategy::{DdpStrategy, Feeding, Samplers};
 use super::telemetry::Telemetry;
 use super::telemetry::trace::Trace;
@@ -52,7 +51,6 @@ pub struct DdpLearner<M: LearnerModel> {
     optim: ModuleOptimizer,
     lr: ModuleLrScheduler,
     group: Arc<ProcessGroup>,
-    buckets: BucketConfig,
     samplers: Samplers,
     shared: SharedSettings,
     checkpoints: Option<CheckpointConfig>,
@@ -85,7 +83,6 @@ impl<M: LearnerModel> DdpLearner<M> {
             optim,
             lr: lr.into(),
             group,
-            buckets: BucketConfig::default(),
             samplers: Samplers::default(),
             shared: SharedSettings::default(),
             checkpoints: None,
@@ -204,7 +201,12 @@ impl<M: LearnerModel> DdpLearner<M> {
     /// parameters (about 1/N of it) and steps only those, and (with
     /// [`Sharding::OptimizerAndGradients`]) receives only their averaged gradients. The
     /// parameters stay identical on every rank after each step; checkpoints hold the whole
-    /// optimizer state, so a run resumes at any world size, sharded or not.
+    /// optimizer state, so a run resumes at any world size, sharded or not. At a checkpoint the
+    /// ranks send their state to rank 0 in pieces of at most `GroupOptions::max_gather_bytes`
+    /// (and 16 MiB): rank 0 holds the whole state while it writes, the other ranks their own
+    /// share and one piece. burn-train's own checkpointer
+    /// (`SupervisedTraining::with_default_checkpointers`) would save rank 0's share only: with
+    /// sharding it is refused before training; use [`DdpLearner::checkpoints`].
     pub fn shard_optimizer(mut self, sharding: Sharding) -> Self {
         self.shared.sharding = sharding;
         self
@@ -218,9 +220,11 @@ impl<M: LearnerModel> DdpLearner<M> {
         self
     }
 
-    /// Bucket sizes (default 25 MiB, first bucket 1 MiB).
+    /// Bucket sizes (default 25 MiB, first bucket 1 MiB; every rank must choose the same, as
+    /// they decide the buckets and, sharded, which rank owns which parameter: compared before
+    /// training with the other settings).
     pub fn buckets(mut self, config: BucketConfig) -> Self {
-        self.buckets = config;
+        self.shared.buckets = config;
         self
     }
 
@@ -241,7 +245,7 @@ impl<M: LearnerModel> DdpLearner<M> {
         let shared = &self.shared;
         check_agreement(&self.group, &layout(&model), &shared.entries())?;
         let model = broadcast_module(model, &self.group)?;
-        let reducer = GradientReducer::new(&model, self.group.clone(), self.buckets)?
+        let reducer = GradientReducer::new(&model, self.group.clone(), shared.buckets)?
             .desync_check(shared.desync_check)
             .compression(shared.compression)
             .non_finite(shared.non_finite)
@@ -250,7 +254,7 @@ impl<M: LearnerModel> DdpLearner<M> {
         // The parameters another rank owns take the values their owner sends.
         let optim = match reducer.not_owned_paths() {
             Some(paths) if !paths.is_empty() => {
-                (self.optim).with_group(ParamGroup::from_paths(paths), TakeOwners, None)
+                (self.optim).with_group(take_owners_group(&paths), TakeOwners, None)
             }
             _ => self.optim,
         };

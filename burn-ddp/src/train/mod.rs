@@ -24,6 +24,9 @@ mod telemetry;
 pub use bucket::{Bucket, BucketConfig, BucketPlan};
 pub use buffers::BufferSync;
 pub use checkpoint::{CHECKPOINT_FILE, CheckpointConfig, Position, inspect_checkpoint};
+#[cfg(feature = "test-support")]
+#[doc(hidden)]
+pub use checkpoint::{GatherStats, last_gather as last_checkpoint_gather};
 pub use compression::Compression;
 pub use gather::GlobalItem;
 pub use learner::{DdpLearner, DdpTraining};

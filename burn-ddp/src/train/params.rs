@@ -4,12 +4,12 @@
 //! Parameters are identified by their position in visit order and their module path, never by
 //! `ParamId`, which is random per process.
 
-use burn::module::{Module, ModuleMapper, ModuleVisitor, Param, ParamId};
+use burn::module::{Module, ModuleMapper, ModuleVisitor, Param};
 use burn::tensor::{DType, Tensor};
 
 use crate::ProcessGroup;
 use crate::error::{DdpError, Result};
-use crate::wire::{Reader, Writer};
+use crate::wire::Writer;
 
 /// One float tensor of a module (a parameter or a buffer such as a running mean).
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -269,10 +269,13 @@ pub(crate) fn flat_values<M: Module>(module: &M, select: Select) -> Vec<f32> {
 }
 
 /// Returns `module` with every float tensor (parameters and buffers) replaced by rank 0's
-/// values, so replicas start identical whatever their seeds, and its trainable parameters
-/// identified by rank 0's `ParamId`s (random per process otherwise), so that state kept by
-/// parameter id, such as a sharded optimizer's, means the same parameter on every rank. Call
-/// [`check_agreement`] first.
+/// values, so replicas start identical whatever their seeds. Call [`check_agreement`] first.
+///
+/// Each rank keeps its own `ParamId`s (burn draws them at random per process), so optimizer
+/// and learning-rate groups a rank built from its model's ids (`ParamGroup::from_ids`) keep
+/// matching its parameters. Where the ranks need one identity for a parameter (who owns it
+/// when the optimizer is sharded, a sharded checkpoint's optimizer records), it is its position
+/// in visit order.
 ///
 /// The values travel as one flat tensor on the module's device, through the group's tensor
 /// broadcast (so by the device's own backend, NCCL on CUDA).
@@ -284,18 +287,7 @@ pub fn broadcast_module<M: Module>(module: M, group: &ProcessGroup) -> Result<M>
         return Ok(module);
     };
     let flat = group.broadcast(flat, 0).wait()?;
-    let module = Assign::module(module, Select::All, flat);
-    let mine = param_ids(&module);
-    let mut w = Writer::default();
-    for &id in &mine {
-        w.u64(id);
-    }
-    let said = group.broadcast(w.buf, 0).wait()?;
-    let mut r = Reader::new(&said);
-    let decoded: std::result::Result<Vec<u64>, _> = mine.iter().map(|_| r.u64()).collect();
-    let ids = (decoded.and_then(|ids| r.finish().map(|()| ids)))
-        .map_err(|e| DdpError::Disagreement(format!("rank 0's parameter ids: {e}")))?;
-    Ok(module.map(&mut SetIds(ids.into_iter())))
+    Ok(Assign::module(module, Select::All, flat))
 }
 
 /// Every trainable parameter's `ParamId` (as `u64`), in visit order.
@@ -314,21 +306,5 @@ impl ModuleVisitor for Ids {
         if Select::Parameters.takes(param) {
             self.0.push(param.id.val());
         }
-    }
-}
-
-/// Gives the trainable parameters the `ParamId`s listed, in visit order.
-struct SetIds(std::vec::IntoIter<u64>);
-
-impl ModuleMapper for SetIds {
-    fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
-        if !Select::Parameters.takes(&param) {
-            return param;
-        }
-        let Some(id) = self.0.next() else {
-            return param;
-        };
-        let (_, tensor, mapper) = param.consume();
-        Param::from_mapped_value(ParamId::from(id), tensor, mapper)
     }
 }

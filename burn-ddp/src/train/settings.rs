@@ -1,8 +1,10 @@
 //! The settings every rank must share ([`SharedSettings`]): `DdpLearner`'s options that change
-//! what the ranks compute or send, and the user's own (`DdpLearner::setting`). They are
+//! what the ranks compute or send (among them the bucket sizes, which decide the buckets and,
+//! when sharded, which rank owns which parameter), and the user's own (`DdpLearner::setting`). They are
 //! compared across the ranks as a whole, with the model's layout, before the first step
 //! ([`super::check_agreement`]); a mismatch stops every rank naming the setting.
 
+use super::bucket::BucketConfig;
 use super::buffers::BufferSync;
 use super::compression::Compression;
 use super::non_finite::NonFinite;
@@ -25,6 +27,8 @@ pub(crate) struct SharedSettings {
     pub non_finite: NonFinite,
     /// How the optimizer's work is sharded.
     pub sharding: Sharding,
+    /// Bucket sizes: the buckets, and with sharding who owns which parameter.
+    pub buckets: BucketConfig,
     /// The user's own settings, by name.
     pub user: Vec<(String, String)>,
 }
@@ -39,6 +43,7 @@ impl Default for SharedSettings {
             compression: Compression::default(),
             non_finite: NonFinite::default(),
             sharding: Sharding::default(),
+            buckets: BucketConfig::default(),
             user: Vec::new(),
         }
     }
@@ -56,6 +61,7 @@ impl SharedSettings {
             compression,
             non_finite,
             sharding,
+            buckets,
             user,
         } = self;
         let learner = [
@@ -66,6 +72,11 @@ impl SharedSettings {
             ("compression", compression.to_string()),
             ("non_finite", non_finite.to_string()),
             ("sharding", sharding.to_string()),
+            ("bucket_cap_bytes", buckets.cap_bytes.to_string()),
+            (
+                "first_bucket_cap_bytes",
+                buckets.first_cap_bytes.to_string(),
+            ),
         ];
         let mut all = user.clone();
         all.extend(learner.map(|(name, value)| (name.to_string(), value)));
@@ -94,7 +105,9 @@ mod tests {
                 "uneven_inputs",
                 "compression",
                 "non_finite",
-                "sharding"
+                "sharding",
+                "bucket_cap_bytes",
+                "first_bucket_cap_bytes"
             ]
         );
         assert_eq!(entries[5].1, Compression::Bf16.to_string());

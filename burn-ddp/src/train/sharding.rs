@@ -1,14 +1,20 @@
 //! Sharded optimizer state and gradients (ZeRO stages 1 and 2): each rank owns a part of the
 //! model's parameters, and only the owner steps a parameter and keeps its optimizer state.
 //!
-//! Ownership ([`Owners`]) is planned bucket by bucket from the bucket plan, which every rank
-//! builds alike: a bucket's tensors, largest first, each go to the rank that owns the fewest of
-//! that bucket's bytes so far (ties: the fewest bytes overall, then the lowest rank). So every
-//! bucket is cut into nearly equal parts (its reduce-scatter and all-gather are balanced) and
-//! so is the optimizer state, within one tensor per bucket. A tensor is never split between
-//! ranks: burn's optimizers step whole tensors, and keep state only for the tensors they are
-//! given gradients for (`ModuleOptimizer`'s mapper skips a parameter without a gradient). Each
-//! bucket is then laid out owner by owner, so that a rank's parameters lie together in it.
+//! Ownership ([`Owners`], [`place`]) is planned from the bucket plan, which every rank builds
+//! alike from the sizes in visit order and the bucket settings: the tensors alone in a bucket
+//! (those over the cap) largest first to the least loaded rank, then each other bucket's
+//! tensors, largest first, to the rank that owns the fewest of that bucket's elements, among
+//! those still within `1/N` of the model plus its largest tensor. So no rank's share of the
+//! optimizer state exceeds `1/N` by more than the largest tensor, even when one tensor (a
+//! vocabulary embedding) is larger than `1/N`, and most buckets are cut into nearly equal
+//! parts (balanced reduce-scatters and all-gathers). A tensor is never split between ranks:
+//! burn's optimizers step whole tensors, and keep state only for the tensors they are given
+//! gradients for (`ModuleOptimizer`'s mapper skips a parameter without a gradient); cutting
+//! one would need the optimizer to step a slice of a parameter, which burn-train's `Learner`
+//! (the only way to its optimizer) cannot do. So a tensor alone in its bucket is reduced to
+//! one rank and gathered from it: that bucket's parts are not even. Each bucket is then laid
+//! out owner by owner, so that a rank's parameters lie together in it.
 //!
 //! A step: the gradients are averaged (all-reduced for [`Sharding::Optimizer`], reduce-scattered
 //! for [`Sharding::OptimizerAndGradients`]), the optimizer steps the rank's own parameters, and
@@ -19,6 +25,7 @@
 
 use std::ops::Range;
 
+use burn::module::ParamGroup;
 use burn::optim::{LearningRate, Optimizer};
 use burn::tensor::{Device, Tensor};
 
@@ -80,24 +87,16 @@ pub(crate) struct Owners {
 
 impl Owners {
     /// Plans the ownership of parameters of `sizes[i]` elements, bucketed as `plan`, among
-    /// `world` ranks, as seen by `rank`.
+    /// `world` ranks, as seen by `rank` (see [`place`]).
     pub(crate) fn new(plan: &BucketPlan, sizes: &[usize], world: usize, rank: usize) -> Self {
         let world = world.max(1);
-        let mut owner = vec![0; sizes.len()];
-        let mut total = vec![0usize; world];
+        let owner = place(plan, sizes, world);
         let mut buckets = Vec::with_capacity(plan.buckets.len());
         let mut parts = Vec::with_capacity(plan.buckets.len());
         for bucket in &plan.buckets {
-            let mut by_size: Vec<usize> = bucket.params.clone();
-            by_size.sort_by_key(|&p| (std::cmp::Reverse(sizes[p]), p));
             let mut load = vec![0usize; world];
-            for p in by_size {
-                let r = (0..world)
-                    .min_by_key(|&r| (load[r], total[r], r))
-                    .unwrap_or(0);
-                owner[p] = r;
-                load[r] += sizes[p];
-                total[r] += sizes[p];
+            for &p in &bucket.params {
+                load[owner[p]] += sizes[p];
             }
             // Owner by owner, each keeping the bucket's order.
             let mut params = bucket.params.clone();
@@ -151,6 +150,61 @@ impl Owners {
     }
 }
 
+/// The owner of each parameter (of `sizes[i]` elements, bucketed as `plan`) among `world`
+/// ranks: a function of the plan and the sizes alone, so every rank computes the same.
+///
+/// First the tensors alone in their bucket (those over the bucket cap among them), largest
+/// first, each to the rank that owns the fewest elements so far: such a bucket cannot be cut
+/// between ranks anyway, and placing the largest tensors first is what keeps the shares even
+/// (a vocabulary embedding placed last would land on a rank that already has its share).
+/// Then the other buckets in plan order, each tensor largest first to the rank that owns the
+/// fewest of that bucket's elements (so that its reduce-scatter and all-gather parts are
+/// even), among the ranks it leaves within the limit: `1/N` of the model plus the largest
+/// tensor of such a bucket, or the most a rank holds after the first pass if that is more.
+/// When no rank is within it, the rank that owns the fewest elements in all. Every choice is
+/// either within the limit or to the least loaded rank, so no rank's share exceeds `1/N` of
+/// the model by more than the largest tensor (list scheduling's bound).
+fn place(plan: &BucketPlan, sizes: &[usize], world: usize) -> Vec<usize> {
+    let world = world.max(1);
+    let mut owner = vec![0; sizes.len()];
+    let mut total = vec![0usize; world];
+    let least = |total: &[usize]| (0..world).min_by_key(|&r| (total[r], r)).unwrap_or(0);
+    let alone = |b: &&Bucket| b.params.len() == 1;
+    let mut single: Vec<usize> = (plan.buckets.iter().filter(alone))
+        .flat_map(|b| b.params.iter().copied())
+        .collect();
+    single.sort_by_key(|&p| (std::cmp::Reverse(sizes[p]), p));
+    for p in single {
+        let r = least(&total);
+        owner[p] = r;
+        total[r] += sizes[p];
+    }
+    // The limit, times `world` (whole numbers): `1/N` of the model plus the largest tensor
+    // of a shared bucket, or the fullest rank after the first pass.
+    let shared = || plan.buckets.iter().filter(|b| b.params.len() > 1);
+    let largest = (shared().flat_map(|b| &b.params))
+        .map(|&p| sizes[p])
+        .max()
+        .unwrap_or(0);
+    let fullest = total.iter().copied().max().unwrap_or(0);
+    let limit = (sizes.iter().sum::<usize>() + world * largest).max(world * fullest);
+    for bucket in shared() {
+        let mut by_size: Vec<usize> = bucket.params.clone();
+        by_size.sort_by_key(|&p| (std::cmp::Reverse(sizes[p]), p));
+        let mut load = vec![0usize; world];
+        for p in by_size {
+            let r = (0..world)
+                .filter(|&r| world * (total[r] + sizes[p]) <= limit)
+                .min_by_key(|&r| (load[r], total[r], r))
+                .unwrap_or_else(|| least(&total));
+            owner[p] = r;
+            load[r] += sizes[p];
+            total[r] += sizes[p];
+        }
+    }
+    owner
+}
+
 /// The optimizer of the parameters a rank does not own: their "gradient" is the value their
 /// owner computed, which becomes the parameter. It keeps no state.
 #[derive(Debug, Clone, Copy)]
@@ -173,6 +227,48 @@ impl Optimizer for TakeOwners {
         state
     }
 }
+
+/// Paths per regular expression of [`take_owners_group`]: each compiles in milliseconds,
+/// far within the regex crate's size limit.
+const PATHS_PER_PATTERN: usize = 4096;
+
+/// The parameter group of the trainable parameters at `paths` (their module paths), for
+/// [`TakeOwners`]: anchored regular expressions of the paths, which burn matches in time
+/// proportional to a path's length, not to the number of paths (`ParamGroup::from_paths`
+/// compares each parameter with every path: burn's optimizer looks up the group of every
+/// parameter without optimizer state at each step, which all of these are, so that was
+/// `O(P^2)` per step). Empty `paths`: a group of no parameter.
+pub(crate) fn take_owners_group(paths: &[String]) -> ParamGroup {
+    if paths.is_empty() {
+        return ParamGroup::from_paths(Vec::<String>::new());
+    }
+    let patterns: Vec<String> = (paths.chunks(PATHS_PER_PATTERN))
+        .map(|chunk| {
+            let alternatives: Vec<String> = chunk.iter().map(|p| escape(p)).collect();
+            format!("^(?:{})$", alternatives.join("|"))
+        })
+        .collect();
+    ParamGroup::from_any_regexes(patterns).unwrap_or_else(|e| {
+        log::debug!("matching {} paths one by one: {e:?}", paths.len());
+        ParamGroup::from_paths(paths.to_vec())
+    })
+}
+
+/// `text` as a regular expression that matches exactly it (the characters `regex::escape`
+/// escapes).
+fn escape(text: &str) -> String {
+    let mut out = String::with_capacity(text.len() + 8);
+    for c in text.chars() {
+        if "\\.+*?()|[]{}^$#&-~".contains(c) {
+            out.push('\\');
+        }
+        out.push(c);
+    }
+    out
+}
+
+#[cfg(test)]
+mod placement_tests;
 
 #[cfg(test)]
 mod tests {

@@ -32,8 +32,16 @@ pub struct StepStats {
     pub communication: f64,
     /// The part of `communication` the step waited for (not hidden behind packing).
     pub exposed: f64,
-    /// Bytes sent into the all-reduces.
+    /// Bytes sent into the gradients' reduction (all-reduces, or reduce-scatters when the
+    /// gradients are sharded).
     pub bytes: f64,
+    /// Sharded ([`Sharding`](crate::train::Sharding)): the updated parameters' all-gather after
+    /// the optimizer step, from its first bucket's start to the last bucket's arrival (0
+    /// unsharded).
+    pub gather: f64,
+    /// Sharded: bytes of the parameters' all-gather, every trainable value as each rank
+    /// receives them (its own part included; 0 unsharded).
+    pub gather_bytes: f64,
 }
 
 impl StepStats {
@@ -44,6 +52,8 @@ impl StepStats {
             self.communication,
             self.exposed,
             self.bytes,
+            self.gather,
+            self.gather_bytes,
         ];
         for v in fields {
             w.f64(v);
@@ -57,6 +67,8 @@ impl StepStats {
             communication: r.f64()?,
             exposed: r.f64()?,
             bytes: r.f64()?,
+            gather: r.f64()?,
+            gather_bytes: r.f64()?,
         })
     }
 }
@@ -227,6 +239,12 @@ impl Telemetry {
         self.metric(Figure::Busbw, "Busbw GBps")
     }
 
+    /// Milliseconds of rank 0's parameter all-gather after the optimizer step, when the
+    /// optimizer is sharded (0 otherwise).
+    pub fn parameter_gather(&self) -> DdpMetric {
+        self.metric(Figure::Gather, "Param gather ms")
+    }
+
     /// Milliseconds the slowest rank's forward and backward pass took beyond the fastest's
     /// (the display names the slowest rank).
     pub fn straggler_lag(&self) -> DdpMetric {
@@ -259,6 +277,7 @@ enum Figure {
     Communication,
     Exposed,
     Busbw,
+    Gather,
     Lag,
 }
 
@@ -282,6 +301,7 @@ impl DdpMetric {
             Figure::Communication => s.rank0.communication * 1e3,
             Figure::Exposed => s.rank0.exposed * 1e3,
             Figure::Busbw => s.busbw / 1e9,
+            Figure::Gather => s.rank0.gather * 1e3,
             Figure::Lag => s.lag * 1e3,
         }
     }
@@ -358,6 +378,8 @@ mod tests {
             communication: 0.004,
             exposed: 0.002,
             bytes: 4e6,
+            gather: 0.003,
+            gather_bytes: 2e6,
         };
         let a = s(0.010);
         let mut w = Writer::default();

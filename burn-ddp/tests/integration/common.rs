@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use burn_ddp::secret::JobSecret;
 use burn_ddp::store::StoreServer;
-use burn_ddp::{GroupOptions, ProcessGroup, Reduce};
+use burn_ddp::{GroupOptions, ProcessGroup, ProcessGroupBuilder, Reduce};
 use half::{bf16, f16};
 
 /// Options with timeouts short enough for tests, long enough for a loaded 2-core machine.
@@ -44,12 +44,33 @@ pub fn run_world_each<T: Send>(
     secret: Option<JobSecret>,
     f: impl Fn(ProcessGroup) -> T + Sync,
 ) -> Vec<T> {
+    run_world_built(n, opts, secret, |b| b, f)
+}
+
+/// As [`run_world`], with the NCCL backend's plans in place of host staging for tensors
+/// (`ProcessGroupBuilder::nccl_plans_on_host`): everything of the NCCL backend but its calls.
+pub fn run_world_nccl_plans<T: Send>(
+    n: usize,
+    opts: GroupOptions,
+    f: impl Fn(ProcessGroup) -> T + Sync,
+) -> Vec<T> {
+    run_world_built(n, |_| opts.clone(), None, |b| b.nccl_plans_on_host(), f)
+}
+
+/// As [`run_world_each`], each rank's builder passed through `build` last.
+fn run_world_built<T: Send>(
+    n: usize,
+    opts: impl Fn(usize) -> GroupOptions,
+    secret: Option<JobSecret>,
+    build: impl Fn(ProcessGroupBuilder) -> ProcessGroupBuilder + Sync,
+    f: impl Fn(ProcessGroup) -> T + Sync,
+) -> Vec<T> {
     let server = StoreServer::bind_with_secret("127.0.0.1:0", secret.clone()).expect("store");
     let port = server.local_addr().port();
     std::thread::scope(|s| {
         let handles: Vec<_> = (0..n)
             .map(|rank| {
-                let (f, opts, secret) = (&f, opts(rank), secret.clone());
+                let (f, build, opts, secret) = (&f, &build, opts(rank), secret.clone());
                 s.spawn(move || {
                     let mut builder = ProcessGroup::builder(rank, n)
                         .master_addr("127.0.0.1")
@@ -59,7 +80,7 @@ pub fn run_world_each<T: Send>(
                     if let Some(secret) = secret {
                         builder = builder.secret(secret);
                     }
-                    let group = builder
+                    let group = build(builder)
                         .build()
                         .unwrap_or_else(|e| panic!("rank {rank} could not join: {e}"));
                     f(group)

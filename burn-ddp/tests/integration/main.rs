@@ -9,6 +9,7 @@ mod env;
 mod faults;
 mod flood;
 mod mpi;
+mod nccl_plans;
 mod netif;
 mod output;
 mod preemption;

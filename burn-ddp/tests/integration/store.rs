@@ -113,33 +113,62 @@ fn unreachable_store_fails_within_the_timeout() {
     );
 }
 
+/// How long the server may take to answer or close a connection it will not serve.
+const CLOSE_BOUND: Duration = Duration::from_secs(5);
+
+/// Everything `c` receives until the peer closes it (a reset counts as a close), or why not:
+/// the peer neither closed nor answered within `bound` (a hang).
+fn read_until_closed(c: &mut TcpStream, bound: Duration) -> Result<Vec<u8>, String> {
+    let deadline = Instant::now() + bound;
+    let mut got = Vec::new();
+    let mut chunk = [0u8; 4096];
+    loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(format!(
+                "still open after {bound:?}, {} bytes received",
+                got.len()
+            ));
+        }
+        c.set_read_timeout(Some(left)).map_err(|e| e.to_string())?;
+        match c.read(&mut chunk) {
+            Ok(0) => return Ok(got),
+            Ok(n) => got.extend_from_slice(&chunk[..n]),
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset => return Ok(got),
+            Err(e) => {
+                return Err(format!(
+                    "neither answered nor closed within {bound:?} ({e}), {} bytes received",
+                    got.len()
+                ));
+            }
+        }
+    }
+}
+
 #[test]
 fn garbage_and_absurd_frames_do_not_hurt_the_server() {
     let (server, s) = pair();
     let addr = server.local_addr();
-    // Wrong hello.
+    // Wrong hello: closed without an answer.
     let mut c = TcpStream::connect(addr).unwrap();
     c.write_all(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n").unwrap();
-    let mut buf = Vec::new();
-    c.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
-    let _ = c.read_to_end(&mut buf);
+    let buf = read_until_closed(&mut c, CLOSE_BOUND).expect("a stranger's connection");
     assert!(buf.is_empty(), "the server answered a stranger");
     // Right magic, then claims of 255 bytes (at most 64 allowed): the server hangs up.
     let mut c = TcpStream::connect(addr).unwrap();
-    c.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
     c.write_all(&[STORE_HELLO, &[255]].concat()).unwrap();
-    let mut rest = Vec::new();
-    let _ = c.read_to_end(&mut rest);
+    let rest = read_until_closed(&mut c, CLOSE_BOUND).expect("absurd claims");
     assert!(rest.is_empty(), "answered absurd claims: {rest:?}");
     // Admitted without a secret (this store has none), then a 4 GiB frame length, then
-    // garbage bodies.
+    // garbage bodies: each answered with an error, then closed.
     for body in [
         vec![0xff, 0xff, 0xff, 0xff],
         vec![3, 0, 0, 0, 99, 1, 2],
         vec![5, 0, 0, 0, 1, 0xff, 0xff, 0xff, 0x7f],
     ] {
         let mut c = TcpStream::connect(addr).unwrap();
-        c.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+        c.set_read_timeout(Some(CLOSE_BOUND)).unwrap();
         c.write_all(&store_hello()).unwrap();
         let mut challenge = [0u8; STORE_CHALLENGE_LEN];
         c.read_exact(&mut challenge).unwrap();
@@ -148,12 +177,31 @@ fn garbage_and_absurd_frames_do_not_hurt_the_server() {
         c.read_exact(&mut verdict).unwrap();
         assert_eq!(verdict, [0, 0, 0, 0], "admitted with an empty verdict");
         c.write_all(&body).unwrap();
-        let mut rest = Vec::new();
-        let _ = c.read_to_end(&mut rest); // an error answer or a close, never a hang
+        let rest = read_until_closed(&mut c, CLOSE_BOUND)
+            .unwrap_or_else(|e| panic!("garbage body {body:?}: {e}"));
+        let answer = String::from_utf8_lossy(&rest);
+        assert!(
+            answer.contains("bad request"),
+            "garbage body {body:?}: answered {answer:?}"
+        );
     }
     // The server still serves well-behaved clients.
     s.set("after", b"ok").unwrap();
     assert_eq!(s.get("after").unwrap(), b"ok");
+}
+
+/// The check above can fail: a server that accepts and then neither answers nor closes is a
+/// hang, not a pass.
+#[test]
+fn a_server_that_neither_answers_nor_closes_is_caught() {
+    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let mut c = TcpStream::connect(l.local_addr().unwrap()).unwrap();
+    let (_held, _) = l.accept().unwrap();
+    c.write_all(&[0xff; 8]).unwrap();
+    let started = Instant::now();
+    let e = read_until_closed(&mut c, Duration::from_millis(300)).unwrap_err();
+    assert!(e.contains("300ms"), "{e}");
+    assert!(started.elapsed() < Duration::from_secs(3), "{e}");
 }
 
 #[test]

@@ -1,8 +1,8 @@
 //! The training checks of `crate::train` on burn's wgpu backend (CubeCL on Vulkan), so that
 //! device buffers and queues, not only host memory, go through DdpLearner and the reducer. In CI
 //! this runs on Mesa's software Vulkan driver (lavapipe, Debian's `mesa-vulkan-drivers`); with
-//! no Vulkan driver installed the tests say SKIPPED and pass. Only with burn-ddp's `wgpu`
-//! feature.
+//! no Vulkan driver installed the tests say SKIPPED and pass, unless [`REQUIRE_VAR`] is set (CI
+//! sets it: there a missing driver fails every test). Only with burn-ddp's `wgpu` feature.
 
 use std::path::{Path, PathBuf};
 use std::sync::mpsc::{self, RecvTimeoutError};
@@ -51,8 +51,30 @@ fn vulkan_driver() -> Option<PathBuf> {
         .find_map(|d| manifests_in(&d.join("vulkan/icd.d")))
 }
 
+/// Set (to anything but empty or `0`), a test that finds no Vulkan driver fails instead of
+/// skipping: `.ci/run` sets it, since CI installs lavapipe and a skip there hides a broken setup.
+const REQUIRE_VAR: &str = "BDDP_REQUIRE_WGPU";
+
+/// Whether a value of [`REQUIRE_VAR`] asks for the wgpu tests to run.
+fn required_by(value: Option<&str>) -> bool {
+    value.is_some_and(|v| !v.is_empty() && v != "0")
+}
+
+/// What a test does without a Vulkan driver: skips (`Ok`, a developer's machine), or fails
+/// with the reason when `required` (CI).
+fn without_driver(required: bool) -> Result<(), String> {
+    if !required {
+        return Ok(());
+    }
+    Err(format!(
+        "no Vulkan driver found, and {REQUIRE_VAR} requires the wgpu tests to run (install \
+         mesa-vulkan-drivers, or unset {REQUIRE_VAR})"
+    ))
+}
+
 /// The autodiff wgpu device the ranks train on (all ranks of a test are threads of this
-/// process, sharing it), or `None`, said loudly, when no Vulkan driver is installed.
+/// process, sharing it), or `None`, said loudly, when no Vulkan driver is installed (a failure
+/// when [`REQUIRE_VAR`] is set).
 fn device() -> Option<Device> {
     match vulkan_driver() {
         Some(driver) => {
@@ -68,6 +90,10 @@ fn device() -> Option<Device> {
             Some(device)
         }
         None => {
+            let required = required_by(std::env::var(REQUIRE_VAR).ok().as_deref());
+            if let Err(why) = without_driver(required) {
+                panic!("{why}");
+            }
             println!("SKIPPED: no Vulkan driver (install mesa-vulkan-drivers)");
             None
         }
@@ -139,4 +165,17 @@ fn wgpu_tensor_collectives_match_host_collectives() {
     if device().is_some() {
         crate::tensors::check_tensor_collectives(2, || Device::wgpu(DeviceKind::DefaultDevice));
     }
+}
+
+/// A missing driver fails the test when [`REQUIRE_VAR`] is set (to anything but empty or `0`),
+/// and only then (whether or not this machine has a driver).
+#[test]
+fn wgpu_a_missing_driver_fails_when_required_and_skips_otherwise() {
+    for (value, required) in [(None, false), (Some(""), false), (Some("0"), false)] {
+        assert_eq!(required_by(value), required, "{value:?}");
+    }
+    assert!(required_by(Some("1")));
+    assert_eq!(without_driver(false), Ok(()));
+    let why = without_driver(true).expect_err("a required run skipped");
+    assert!(why.contains(REQUIRE_VAR), "{why}");
 }

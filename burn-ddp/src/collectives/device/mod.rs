@@ -12,13 +12,18 @@
 //! kind (one small gather), so that a rank on the CPU among ranks on GPUs is an error that names
 //! it, not a hang between two transports.
 
+#[cfg(feature = "test-support")]
+mod emulated;
 #[cfg(feature = "nccl")]
 mod nccl;
+#[cfg(any(feature = "nccl", feature = "test-support"))]
+mod plan;
+pub(crate) mod slices;
 mod staged;
 
 use std::sync::Mutex;
 
-use burn::tensor::{Device, Tensor};
+use burn::tensor::{DType, Device, Tensor};
 
 use super::backend::Backends;
 use super::buffer::{Broadcastable, Gatherable, Reducible, sealed};
@@ -76,6 +81,11 @@ pub(crate) enum DeviceBackend {
     /// NCCL on the device buffers.
     #[cfg(feature = "nccl")]
     Nccl(burn_ddp_nccl::NcclComm),
+    /// NCCL's plans (agreement, padding, cutting) with the equal-part host collectives in
+    /// NCCL's place: how CI runs everything of the NCCL backend but the NCCL calls (feature
+    /// `test-support`, chosen by the group builder's hidden `nccl_plans_on_host`).
+    #[cfg(feature = "test-support")]
+    NcclPlansOnHost,
 }
 
 impl DeviceBackend {
@@ -84,6 +94,8 @@ impl DeviceBackend {
             DeviceBackend::Staged => "host staging (TCP or shared memory)",
             #[cfg(feature = "nccl")]
             DeviceBackend::Nccl(_) => "NCCL",
+            #[cfg(feature = "test-support")]
+            DeviceBackend::NcclPlansOnHost => "NCCL's plans on the host collectives (tests)",
         }
     }
 }
@@ -91,13 +103,30 @@ impl DeviceBackend {
 /// The backends chosen so far, one per device kind (a process group's per-device state).
 #[derive(Default)]
 pub(crate) struct DeviceBackends {
+    /// Host tensors travel by [`DeviceBackend::NcclPlansOnHost`] instead of host staging.
+    #[cfg(feature = "test-support")]
+    nccl_plans_on_host: bool,
     chosen: Mutex<Vec<(Kind, DeviceBackend)>>,
+    /// Held while a collective is issued: its backend's part on the caller's thread (NCCL takes
+    /// the collective's turn there) and its job queued on the collective thread happen together,
+    /// so two threads issuing at once cannot queue jobs in another order than their turns.
+    issuing: Mutex<()>,
     /// Held while a backend is agreed and joined, so that two threads do not join twice; not
     /// `chosen`'s lock, so an abort never waits for a join.
     joining: Mutex<()>,
 }
 
 impl DeviceBackends {
+    /// No backend chosen yet; host tensors will take the NCCL backend's plans if `on_host`
+    /// (tests only, [`DeviceBackend::NcclPlansOnHost`]).
+    #[cfg(feature = "test-support")]
+    pub(crate) fn nccl_plans_on_host(on_host: bool) -> Self {
+        DeviceBackends {
+            nccl_plans_on_host: on_host,
+            ..Default::default()
+        }
+    }
+
     /// Aborts every device communicator (after the group failed): a collective waiting on one
     /// ends within a poll, and none waits for ranks that will not come.
     pub(crate) fn abort(&self) {
@@ -135,6 +164,8 @@ fn backend(group: &Backends, device: &Device) -> Result<DeviceBackend> {
     let chosen = match kind {
         #[cfg(feature = "nccl")]
         Kind::Cuda => DeviceBackend::Nccl(nccl::join(group, device)?),
+        #[cfg(feature = "test-support")]
+        _ if backends.nccl_plans_on_host => DeviceBackend::NcclPlansOnHost,
         _ => DeviceBackend::Staged,
     };
     log::info!(
@@ -190,24 +221,14 @@ impl Reducible for Tensor<1> {
         if group.world() == 1 {
             return Work::done(group.rank(), Ok(self));
         }
-        match backend(group, &self.device()) {
-            Ok(DeviceBackend::Staged) => staged::all_reduce(group, self, op),
-            #[cfg(feature = "nccl")]
-            Ok(DeviceBackend::Nccl(comm)) => nccl::all_reduce(group, &comm, self, op),
-            Err(e) => Work::done(group.rank(), Err(e)),
-        }
+        start(group, self, Request::AllReduce(op), one)
     }
 
     fn start_reduce_scatter(self, group: &Backends, parts: Vec<usize>, op: ReduceOp) -> Work<Self> {
         if group.world() == 1 && parts == [self.elements()] {
             return Work::done(group.rank(), Ok(self));
         }
-        match backend(group, &self.device()) {
-            Ok(DeviceBackend::Staged) => staged::reduce_scatter(group, self, parts, op),
-            #[cfg(feature = "nccl")]
-            Ok(DeviceBackend::Nccl(comm)) => nccl::reduce_scatter(group, &comm, self, parts, op),
-            Err(e) => Work::done(group.rank(), Err(e)),
-        }
+        start(group, self, Request::ReduceScatter(parts, op), one)
     }
 
     fn elements(&self) -> usize {
@@ -220,12 +241,7 @@ impl Broadcastable for Tensor<1> {
         if group.world() == 1 && root == 0 {
             return Work::done(group.rank(), Ok(self));
         }
-        match backend(group, &self.device()) {
-            Ok(DeviceBackend::Staged) => staged::broadcast(group, self, root),
-            #[cfg(feature = "nccl")]
-            Ok(DeviceBackend::Nccl(comm)) => nccl::broadcast(group, &comm, self, root),
-            Err(e) => Work::done(group.rank(), Err(e)),
-        }
+        start(group, self, Request::Broadcast(root), one)
     }
 }
 
@@ -236,12 +252,7 @@ impl Gatherable for Tensor<1> {
         if group.world() == 1 {
             return Work::done(group.rank(), Ok(vec![self]));
         }
-        match backend(group, &self.device()) {
-            Ok(DeviceBackend::Staged) => staged::all_gather(group, self),
-            #[cfg(feature = "nccl")]
-            Ok(DeviceBackend::Nccl(comm)) => nccl::all_gather(group, &comm, self),
-            Err(e) => Work::done(group.rank(), Err(e)),
-        }
+        start(group, self, Request::AllGather, |pieces, _, _| pieces)
     }
 }
 
@@ -256,12 +267,62 @@ pub(crate) fn all_gather_parts(
     if group.world() == 1 {
         return Work::done(group.rank(), Ok(tensor));
     }
-    match backend(group, &tensor.device()) {
-        Ok(DeviceBackend::Staged) => staged::all_gather_parts(group, tensor, parts),
+    start(group, tensor, Request::AllGatherParts(parts), one)
+}
+
+/// A tensor collective as the group asks for it, before a backend plans it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum Request {
+    /// All-reduce with a reduction.
+    AllReduce(ReduceOp),
+    /// Reduce-scatter into parts by rank (summing to the tensor's length), with a reduction.
+    ReduceScatter(Vec<usize>, ReduceOp),
+    /// Broadcast from a root.
+    Broadcast(usize),
+    /// All-gather of tensors of one length on every rank: every rank's, by rank.
+    AllGather,
+    /// All-gather of tensors of the given lengths by rank, concatenated.
+    AllGatherParts(Vec<usize>),
+}
+
+impl Request {
+    /// The collective's name in errors.
+    fn name(&self) -> &'static str {
+        match self {
+            Request::AllReduce(_) => "all_reduce",
+            Request::ReduceScatter(..) => "reduce_scatter",
+            Request::Broadcast(_) => "broadcast",
+            Request::AllGather | Request::AllGatherParts(_) => "all_gather",
+        }
+    }
+}
+
+/// The one routing point: starts `request` on `tensor` by the backend of its device kind
+/// (agreed on first use); `finish` turns the result's tensors (with the input's device and
+/// element type) into what the caller returns.
+fn start<T: Send + 'static>(
+    group: &Backends,
+    tensor: Tensor<1>,
+    request: Request,
+    finish: fn(Vec<Tensor<1>>, &Device, DType) -> T,
+) -> Work<T> {
+    let (device, dtype) = (tensor.device(), tensor.dtype());
+    let _issuing = crate::sync::lock(&group.devices().issuing);
+    let chosen = backend(group, &device);
+    let done = move |pieces: Vec<Tensor<1>>| finish(pieces, &device, dtype);
+    match chosen {
+        Ok(DeviceBackend::Staged) => staged::start(group, tensor, request, done),
         #[cfg(feature = "nccl")]
-        Ok(DeviceBackend::Nccl(comm)) => nccl::all_gather_parts(group, &comm, tensor, parts),
+        Ok(DeviceBackend::Nccl(comm)) => nccl::start(group, &comm, tensor, request, done),
+        #[cfg(feature = "test-support")]
+        Ok(DeviceBackend::NcclPlansOnHost) => emulated::start(group, tensor, request, done),
         Err(e) => Work::done(group.rank(), Err(e)),
     }
+}
+
+/// A result of one tensor: its pieces concatenated.
+fn one(pieces: Vec<Tensor<1>>, device: &Device, dtype: DType) -> Tensor<1> {
+    slices::concat(pieces, device, dtype)
 }
 
 /// The error of a tensor that cannot take part in a collective.

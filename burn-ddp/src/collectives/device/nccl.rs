@@ -13,11 +13,13 @@
 //! through a store key: each communicator's id is scoped to the group and to the moment it is
 //! joined, so no rank can read a stale id of an earlier communicator or group.
 
+use std::time::{Duration, Instant};
+
 use burn::tensor::{Device, Tensor};
 use burn_ddp_nccl::{NcclComm, NcclError, Pending};
 
-use super::invalid;
-use crate::collectives::agreement::Said;
+use super::Request;
+use super::plan::{self, Call, Plan};
 use crate::collectives::backend::Backends;
 use crate::collectives::worker::{Elsewhere, Worker};
 use crate::collectives::{ReduceOp, Work};
@@ -89,152 +91,77 @@ fn watch(w: &Worker, found: &mut Option<Elsewhere>) -> Option<String> {
 }
 
 /// The group's error for `op` that failed with `e`: a failure found elsewhere names its cause
-/// (an abort of the group recorded its reason before it aborted the communicator); this rank's
-/// own is recorded, so the peers stop too.
+/// (a dead peer, or what another rank recorded); only a failure found nowhere else is recorded
+/// as this rank's own, so the peers stop too.
 fn failed(w: &mut Worker, op: String, e: NcclError, found: Option<Elsewhere>) -> DdpError {
-    let found = match (found, &e) {
-        (None, NcclError::Stopped { .. }) => w.failure_elsewhere(),
-        (found, _) => found,
-    };
+    let found = cause_elsewhere(&e, found, burn_ddp_nccl::GRACE, || w.failure_elsewhere());
     match found {
         Some(elsewhere) => w.failed_elsewhere(op, elsewhere),
         None => w.fail_here(op, e.to_string()),
     }
 }
 
-/// Starts an all-reduce.
-pub(super) fn all_reduce(
-    group: &Backends,
-    comm: &NcclComm,
-    tensor: Tensor<1>,
-    op: ReduceOp,
-) -> Work<Tensor<1>> {
-    let started = comm.start_all_reduce(tensor, nccl_op(op));
-    group.on_worker(move |w| wait(w, "NCCL all_reduce", started))
-}
-
-/// Starts a broadcast from `root`.
-pub(super) fn broadcast(
-    group: &Backends,
-    comm: &NcclComm,
-    tensor: Tensor<1>,
-    root: usize,
-) -> Work<Tensor<1>> {
-    let started = comm.start_broadcast(tensor, root);
-    group.on_worker(move |w| wait(w, "NCCL broadcast", started))
-}
-
-/// Starts an all-gather; every rank's length and element type are compared first (through the
-/// host transport, in the same job), so that NCCL never reads past a shorter rank's buffer nor
-/// mixes types.
-pub(super) fn all_gather(
-    group: &Backends,
-    comm: &NcclComm,
-    tensor: Tensor<1>,
-) -> Work<Vec<Tensor<1>>> {
-    let world = group.world();
-    let n = tensor.shape().num_elements();
-    let shape = gather_shape(n, &format!("{:?}", tensor.dtype()));
-    let started = comm.start_all_gather(tensor);
-    group.on_worker(move |w| {
-        let said = w.gather_said(&shape)?;
-        if let Some(reason) = shape_mismatch(&said, "gathers") {
-            return Err(invalid(w.rank(), "all_gather", reason));
+/// What stopped an NCCL operation that failed with `e`, if it was elsewhere in the group: what
+/// the watch `found`, or else, for a failure a peer can cause (NCCL's own error, a stop, a
+/// timeout), what `look` finds within `grace`. A peer that exits makes NCCL's socket transport
+/// fail here within a millisecond (`ncclRemoteError`), before the watch, asked every
+/// [`burn_ddp_nccl::WATCH_INTERVAL`], sees the peer's connection close: without the grace this
+/// rank would record itself as the culprit.
+fn cause_elsewhere<E>(
+    e: &NcclError,
+    found: Option<E>,
+    grace: Duration,
+    mut look: impl FnMut() -> Option<E>,
+) -> Option<E> {
+    let peers_can_cause = matches!(
+        e,
+        NcclError::Nccl { .. } | NcclError::Stopped { .. } | NcclError::Timeout { .. }
+    );
+    if found.is_some() || !peers_can_cause {
+        return found;
+    }
+    let deadline = Instant::now() + grace;
+    loop {
+        if let Some(elsewhere) = look() {
+            return Some(elsewhere);
         }
-        let all = wait(w, "NCCL all_gather", started)?;
-        Ok((0..world)
-            .map(|r| all.clone().narrow(0, r * n, n))
-            .collect())
-    })
+        if Instant::now() >= deadline {
+            return None;
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    }
 }
 
-/// Starts a reduce-scatter into `parts` (`ncclReduceScatter`): every rank's length, element
-/// type and parts are compared first (through the host transport, in the same job). Unequal
-/// parts travel padded with zeros to the longest, as NCCL cuts a buffer in equal parts only.
-pub(super) fn reduce_scatter(
+/// Starts `request` on `tensor` by NCCL: planned ([`Plan`]), its input fenced on this thread's
+/// stream, then agreed and run on the collective thread; `done` turns the result's tensors into
+/// the caller's.
+pub(super) fn start<T: Send + 'static>(
     group: &Backends,
     comm: &NcclComm,
     tensor: Tensor<1>,
-    parts: Vec<usize>,
-    op: ReduceOp,
-) -> Work<Tensor<1>> {
-    let (rank, n, dtype) = (group.rank(), tensor.shape().num_elements(), tensor.dtype());
-    let shape = gather_shape(n, &format!("{dtype:?} in parts {parts:?}"));
-    let valid = parts.len() == group.world() && parts.iter().sum::<usize>() == n;
-    let longest = parts.iter().copied().max().unwrap_or(0);
-    let padded = if !valid || parts.iter().all(|&p| p == longest) {
-        tensor
-    } else {
-        let device = tensor.device();
-        let mut start = 0;
-        let pieces = (parts.iter())
-            .flat_map(|&p| {
-                let piece = tensor.clone().narrow(0, start, p);
-                start += p;
-                let pad = (p < longest).then(|| Tensor::zeros([longest - p], (&device, dtype)));
-                std::iter::once(piece).chain(pad)
-            })
-            .collect();
-        Tensor::cat(pieces, 0)
-    };
-    let started = if valid {
-        Some(comm.start_reduce_scatter(padded, nccl_op(op)))
-    } else {
-        None
-    };
-    let own = parts.get(rank).copied().unwrap_or(0);
-    group.on_worker(move |w| {
-        let said = w.gather_said(&shape)?;
-        if let Some(reason) = shape_mismatch(&said, "reduce-scatters") {
-            return Err(invalid(w.rank(), "reduce_scatter", reason));
-        }
-        let Some(started) = started else {
-            let reason = format!("parts {parts:?} do not cut {n} elements among the ranks");
-            return Err(invalid(w.rank(), "reduce_scatter", reason));
-        };
-        let part = wait(w, "NCCL reduce_scatter", started)?;
-        Ok(part.narrow(0, 0, own))
-    })
+    request: Request,
+    done: impl FnOnce(Vec<Tensor<1>>) -> T + Send + 'static,
+) -> Work<T> {
+    let plan = Plan::new(&request, group.rank(), group.world(), &tensor);
+    let started =
+        (plan.call().zip(plan.input(tensor))).map(|(call, input)| begin(comm, call, input));
+    plan::run(
+        group,
+        plan,
+        started,
+        |w, plan, started| wait(w, plan.name, started),
+        done,
+    )
 }
 
-/// Starts an all-gather of tensors of `parts` elements by rank, concatenated in rank order:
-/// each rank's travels padded with zeros to the longest part (NCCL gathers equal lengths), and
-/// the padding is cut away on arrival. Every rank's length, element type and parts are compared
-/// first (through the host transport, in the same job).
-pub(super) fn all_gather_parts(
-    group: &Backends,
-    comm: &NcclComm,
-    tensor: Tensor<1>,
-    parts: Vec<usize>,
-) -> Work<Tensor<1>> {
-    let (rank, n, dtype) = (group.rank(), tensor.shape().num_elements(), tensor.dtype());
-    let shape = gather_shape(n, &format!("{dtype:?} in parts {parts:?}"));
-    let valid = parts.len() == group.world() && parts.get(rank) == Some(&n);
-    let longest = parts.iter().copied().max().unwrap_or(0);
-    let started = valid.then(|| {
-        let padded = if n < longest {
-            let pad = Tensor::zeros([longest - n], (&tensor.device(), dtype));
-            Tensor::cat(vec![tensor, pad], 0)
-        } else {
-            tensor
-        };
-        comm.start_all_gather(padded)
-    });
-    group.on_worker(move |w| {
-        let said = w.gather_said(&shape)?;
-        if let Some(reason) = shape_mismatch(&said, "gathers") {
-            return Err(invalid(w.rank(), "all_gather", reason));
-        }
-        let Some(started) = started else {
-            let reason = format!("rank {rank} gives {n} elements, its part of {parts:?} differs");
-            return Err(invalid(w.rank(), "all_gather", reason));
-        };
-        let all = wait(w, "NCCL all_gather", started)?;
-        let pieces = (parts.iter().enumerate())
-            .map(|(r, &p)| all.clone().narrow(0, r * longest, p))
-            .collect();
-        Ok(Tensor::cat(pieces, 0))
-    })
+/// The NCCL collective `call` started on `input` (the one place this backend calls NCCL).
+fn begin(comm: &NcclComm, call: Call, input: Tensor<1>) -> std::result::Result<Pending, NcclError> {
+    match call {
+        Call::AllReduce(op) => comm.start_all_reduce(input, nccl_op(op)),
+        Call::Broadcast(root) => comm.start_broadcast(input, root),
+        Call::AllGather => comm.start_all_gather(input),
+        Call::ReduceScatter(op) => comm.start_reduce_scatter(input, nccl_op(op)),
+    }
 }
 
 /// NCCL's reduction for `op`.
@@ -247,50 +174,21 @@ fn nccl_op(op: ReduceOp) -> burn_ddp_nccl::ReduceOp {
     }
 }
 
-/// What every rank's input must share: its length and element type (with, for a
-/// reduce-scatter, its parts), as `dtype` says it.
-fn gather_shape(n: usize, dtype: &str) -> Vec<u8> {
-    Writer::default()
-        .u64(n as u64)
-        .bytes(dtype.as_bytes())
-        .buf
-        .clone()
-}
-
-/// The first disagreement of the gathered shapes with rank 0's, in words (`verb`: what the
-/// ranks do with them, "gathers").
-fn shape_mismatch(said: &Said, verb: &str) -> Option<String> {
-    let other = *said.differing().first()?;
-    let words = |r: usize| {
-        let mut reader = Reader::new(&said.all[r]);
-        match (reader.u64(), reader.string()) {
-            (Ok(n), Ok(dtype)) => format!("{n} x {dtype}"),
-            _ => "a malformed shape".to_string(),
-        }
-    };
-    Some(format!(
-        "rank 0 {verb} {} but rank {other} {}: the tensors must have the same length and element \
-         type on every rank",
-        words(0),
-        words(other)
-    ))
-}
-
 /// Waits for a started collective, watching the group; a failure stops the group on every rank.
 fn wait(
     w: &mut Worker,
-    op: &'static str,
+    name: &str,
     started: std::result::Result<Pending, NcclError>,
 ) -> Result<Tensor<1>> {
     let mut found = None;
     let done = started.and_then(|pending| pending.wait(&mut || watch(w, &mut found)));
-    done.map_err(|e| failed(w, op.to_string(), e, found))
+    done.map_err(|e| failed(w, format!("NCCL {name}"), e, found))
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use burn::tensor::DType;
+    use burn_ddp_nccl::GRACE;
 
     #[test]
     fn the_id_or_rank_0s_failure_reaches_every_rank() {
@@ -314,27 +212,59 @@ mod tests {
         assert!(decode_id(&[1, 200]).unwrap_err().contains("malformed"));
     }
 
+    fn nccl_error(message: &str) -> NcclError {
+        NcclError::Nccl {
+            rank: 0,
+            call: "all_reduce",
+            message: message.into(),
+        }
+    }
+
+    /// A peer that exits makes NCCL fail here (`ncclRemoteError`) before the watch sees it
+    /// die: the group's record, found within the grace, names the dead peer, not this rank.
     #[test]
-    fn gathers_compare_length_and_type() {
-        let said = |shapes: &[Vec<u8>]| Said {
-            all: shapes.to_vec(),
+    fn an_nccl_error_looks_for_the_peer_that_caused_it() {
+        let mut asked = 0;
+        let found = cause_elsewhere(&nccl_error("remote process exited"), None, GRACE, || {
+            asked += 1;
+            (asked == 3).then_some("rank 1 died")
+        });
+        assert_eq!(found, Some("rank 1 died"), "asked {asked} times");
+
+        let timeout = NcclError::Timeout {
+            rank: 0,
+            op: "all_reduce".into(),
+            timeout: Duration::from_secs(1),
         };
-        let shape = |n, dtype: DType| gather_shape(n, &format!("{dtype:?}"));
-        let mine = shape(10, DType::BF16);
-        let same = said(&[mine.clone(), mine.clone(), mine.clone()]);
-        assert_eq!(shape_mismatch(&same, "gathers"), None);
-        // Same bytes, other type: 10 bf16 against 5 f32.
-        let other = said(&[mine.clone(), shape(5, DType::F32)]);
+        assert_eq!(cause_elsewhere(&timeout, None, GRACE, || Some(2)), Some(2));
+        // What the watch found stands; nothing else is asked.
+        let mut asked = false;
+        let kept = cause_elsewhere(&nccl_error("x"), Some(7), GRACE, || {
+            asked = true;
+            Some(8)
+        });
+        assert_eq!((kept, asked), (Some(7), false));
+    }
+
+    /// This rank's own fault (a tensor NCCL cannot take) is its own at once; a failure found
+    /// nowhere within the grace is this rank's too, after the grace and not much later.
+    #[test]
+    fn own_faults_are_not_blamed_elsewhere() {
+        let tensor = NcclError::Tensor {
+            rank: 0,
+            reason: "not contiguous".into(),
+        };
+        assert_eq!(cause_elsewhere(&tensor, None, GRACE, || Some(1)), None);
+        let start = Instant::now();
+        let grace = Duration::from_millis(60);
         assert_eq!(
-            shape_mismatch(&other, "gathers").unwrap(),
-            "rank 0 gathers 10 x BF16 but rank 1 5 x F32: the tensors must have the same length \
-             and element type on every rank"
+            cause_elsewhere(&nccl_error("x"), None, grace, || None::<u8>),
+            None
         );
-        let typed = said(&[shape(10, DType::F16), mine.clone(), mine]);
-        let message = shape_mismatch(&typed, "gathers").unwrap();
+        let took = start.elapsed();
         assert!(
-            message.contains("rank 0 gathers 10 x F16 but rank 1 10 x BF16"),
-            "{message}"
+            took >= grace && took < grace + Duration::from_secs(2),
+            "{took:?}"
         );
     }
 }

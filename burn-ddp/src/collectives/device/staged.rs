@@ -9,105 +9,113 @@
 use burn::tensor::{DType, Tensor, TensorData};
 use half::{bf16, f16};
 
-use super::invalid;
+use super::{Request, invalid};
 use crate::collectives::backend::Backends;
 use crate::collectives::worker::Worker;
 use crate::collectives::{Reduce, ReduceOp, Work};
 use crate::error::Result;
 
-/// Starts the all-reduce of a float tensor through the host.
-pub(super) fn all_reduce(group: &Backends, tensor: Tensor<1>, op: ReduceOp) -> Work<Tensor<1>> {
-    group.on_worker(move |w| {
-        let (device, dtype) = (tensor.device(), tensor.dtype());
-        let mut data = read_back(w, "all_reduce", tensor)?;
-        reduce(w, &mut data, None, op)?;
-        Ok(Tensor::from_data(data, (&device, dtype)))
-    })
-}
-
-/// Starts the reduce-scatter of a float tensor through the host: this rank's part of `parts`.
-pub(super) fn reduce_scatter(
+/// Starts `request` on `tensor` through the host: one job on the collective thread, whose
+/// result's tensors `done` turns into the caller's.
+pub(super) fn start<T: Send + 'static>(
     group: &Backends,
     tensor: Tensor<1>,
-    parts: Vec<usize>,
+    request: Request,
+    done: impl FnOnce(Vec<Tensor<1>>) -> T + Send + 'static,
+) -> Work<T> {
+    group.on_worker(move |w| {
+        let pieces = match request {
+            Request::AllReduce(op) => vec![all_reduce(w, tensor, op)?],
+            Request::ReduceScatter(parts, op) => vec![reduce_scatter(w, tensor, &parts, op)?],
+            Request::Broadcast(root) => vec![broadcast(w, tensor, root)?],
+            Request::AllGather => all_gather(w, tensor)?,
+            Request::AllGatherParts(parts) => vec![all_gather_parts(w, tensor, &parts)?],
+        };
+        Ok(done(pieces))
+    })
+}
+
+/// The all-reduce of a float tensor through the host, on the collective thread.
+pub(super) fn all_reduce(w: &mut Worker, tensor: Tensor<1>, op: ReduceOp) -> Result<Tensor<1>> {
+    let (device, dtype) = (tensor.device(), tensor.dtype());
+    let mut data = read_back(w, "all_reduce", tensor)?;
+    reduce(w, &mut data, None, op)?;
+    Ok(Tensor::from_data(data, (&device, dtype)))
+}
+
+/// The reduce-scatter of a float tensor through the host: this rank's part of `parts`.
+pub(super) fn reduce_scatter(
+    w: &mut Worker,
+    tensor: Tensor<1>,
+    parts: &[usize],
     op: ReduceOp,
-) -> Work<Tensor<1>> {
-    group.on_worker(move |w| {
-        let (device, dtype) = (tensor.device(), tensor.dtype());
-        let mut data = read_back(w, "reduce_scatter", tensor)?;
-        let mine = reduce(w, &mut data, Some(&parts), op)?;
-        let elem = dtype.size();
-        let bytes = data.as_bytes()[mine.start * elem..mine.end * elem].to_vec();
-        let part = TensorData::from_bytes_vec(bytes, [mine.len()], dtype);
-        Ok(Tensor::from_data(part, (&device, dtype)))
-    })
+) -> Result<Tensor<1>> {
+    let (device, dtype) = (tensor.device(), tensor.dtype());
+    let mut data = read_back(w, "reduce_scatter", tensor)?;
+    let mine = reduce(w, &mut data, Some(parts), op)?;
+    let elem = dtype.size();
+    let bytes = data.as_bytes()[mine.start * elem..mine.end * elem].to_vec();
+    let part = TensorData::from_bytes_vec(bytes, [mine.len()], dtype);
+    Ok(Tensor::from_data(part, (&device, dtype)))
 }
 
-/// Starts the broadcast of a tensor from `root` through the host.
-pub(super) fn broadcast(group: &Backends, tensor: Tensor<1>, root: usize) -> Work<Tensor<1>> {
-    group.on_worker(move |w| {
-        let (device, dtype) = (tensor.device(), tensor.dtype());
-        let data = read_back(w, "broadcast", tensor)?;
-        let shape = data.shape().clone();
-        let mut bytes = data.as_bytes().to_vec();
-        w.run(|t| t.broadcast(&mut bytes, root))?;
-        let data = TensorData::from_bytes_vec(bytes, shape, dtype);
-        Ok(Tensor::from_data(data, (&device, dtype)))
-    })
+/// The broadcast of a tensor from `root` through the host.
+pub(super) fn broadcast(w: &mut Worker, tensor: Tensor<1>, root: usize) -> Result<Tensor<1>> {
+    let (device, dtype) = (tensor.device(), tensor.dtype());
+    let data = read_back(w, "broadcast", tensor)?;
+    let shape = data.shape().clone();
+    let mut bytes = data.as_bytes().to_vec();
+    w.run(|t| t.broadcast(&mut bytes, root))?;
+    let data = TensorData::from_bytes_vec(bytes, shape, dtype);
+    Ok(Tensor::from_data(data, (&device, dtype)))
 }
 
-/// Starts the all-gather of a tensor through the host: every rank's tensor, by rank. Every rank
-/// must give the same length and element type.
-pub(super) fn all_gather(group: &Backends, tensor: Tensor<1>) -> Work<Vec<Tensor<1>>> {
-    let rank = group.rank();
-    group.on_worker(move |w| {
-        let (device, dtype) = (tensor.device(), tensor.dtype());
-        let data = read_back(w, "all_gather", tensor)?;
-        let shape = data.shape().clone();
-        let all = w.run(|t| t.all_gather(data.as_bytes()))?;
-        let mine = data.as_bytes().len();
-        if let Some(other) = all.iter().position(|b| b.len() != mine) {
-            let reason = format!(
-                "rank {rank} gives {mine} bytes but rank {other} {}: tensors gathered must have \
-                 the same length and element type on every rank",
-                all[other].len()
-            );
-            return Err(invalid(rank, "all_gather", reason));
-        }
-        Ok(all
-            .into_iter()
-            .map(|b| {
-                let data = TensorData::from_bytes_vec(b, shape.clone(), dtype);
-                Tensor::from_data(data, (&device, dtype))
-            })
-            .collect())
-    })
+/// The all-gather of a tensor through the host: every rank's tensor, by rank. Every rank must
+/// give the same length and element type.
+fn all_gather(w: &mut Worker, tensor: Tensor<1>) -> Result<Vec<Tensor<1>>> {
+    let (rank, device, dtype) = (w.rank(), tensor.device(), tensor.dtype());
+    let data = read_back(w, "all_gather", tensor)?;
+    let shape = data.shape().clone();
+    let all = w.run(|t| t.all_gather(data.as_bytes()))?;
+    let mine = data.as_bytes().len();
+    if let Some(other) = all.iter().position(|b| b.len() != mine) {
+        let reason = format!(
+            "rank {rank} gives {mine} bytes but rank {other} {}: tensors gathered must have \
+             the same length and element type on every rank",
+            all[other].len()
+        );
+        return Err(invalid(rank, "all_gather", reason));
+    }
+    Ok(all
+        .into_iter()
+        .map(|b| {
+            let data = TensorData::from_bytes_vec(b, shape.clone(), dtype);
+            Tensor::from_data(data, (&device, dtype))
+        })
+        .collect())
 }
 
-/// Starts the all-gather of tensors of `parts` elements by rank through the host: every rank's,
+/// The all-gather of tensors of `parts` elements by rank through the host: every rank's,
 /// concatenated in rank order.
 pub(super) fn all_gather_parts(
-    group: &Backends,
+    w: &mut Worker,
     tensor: Tensor<1>,
-    parts: Vec<usize>,
-) -> Work<Tensor<1>> {
-    let rank = group.rank();
-    group.on_worker(move |w| {
-        let (device, dtype) = (tensor.device(), tensor.dtype());
-        let data = read_back(w, "all_gather", tensor)?;
-        let all = w.run(|t| t.all_gather(data.as_bytes()))?;
-        let elem = dtype.size();
-        let sizes: Vec<usize> = all.iter().map(|b| b.len() / elem.max(1)).collect();
-        if sizes != parts {
-            let reason =
-                format!("the ranks give {sizes:?} elements of {dtype:?}, the parts say {parts:?}");
-            return Err(invalid(rank, "all_gather", reason));
-        }
-        let bytes = all.concat();
-        let n = bytes.len() / elem.max(1);
-        let data = TensorData::from_bytes_vec(bytes, [n], dtype);
-        Ok(Tensor::from_data(data, (&device, dtype)))
-    })
+    parts: &[usize],
+) -> Result<Tensor<1>> {
+    let (rank, device, dtype) = (w.rank(), tensor.device(), tensor.dtype());
+    let data = read_back(w, "all_gather", tensor)?;
+    let all = w.run(|t| t.all_gather(data.as_bytes()))?;
+    let elem = dtype.size();
+    let sizes: Vec<usize> = all.iter().map(|b| b.len() / elem.max(1)).collect();
+    if sizes != parts {
+        let reason =
+            format!("the ranks give {sizes:?} elements of {dtype:?}, the parts say {parts:?}");
+        return Err(invalid(rank, "all_gather", reason));
+    }
+    let bytes = all.concat();
+    let n = bytes.len() / elem.max(1);
+    let data = TensorData::from_bytes_vec(bytes, [n], dtype);
+    Ok(Tensor::from_data(data, (&device, dtype)))
 }
 
 /// The tensor's values on the host (waits for the kernels that produce it). A failure stops

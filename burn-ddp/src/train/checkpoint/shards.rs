@@ -1,18 +1,15 @@
 //! Optimizer records of a sharded run: each rank's holds the state of its own parameters, in
-//! burn's record format (burnpack), keyed by parameter id (ids rank 0 gave every rank, see
-//! `params::broadcast_module`). A checkpoint holds them merged into one record, as an
+//! burn's record format (burnpack), keyed by that rank's parameter ids. A checkpoint holds them
+//! merged into one record keyed by rank 0's ids (the ranks' ids matched by visit order), as an
 //! unsharded run would write it; a rank that resumes sharded keeps the entries of the
-//! parameters it owns under the new world size.
+//! parameters it owns under the new world size. How the records reach rank 0: `gather.rs`.
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 
 use burn::tensor::Bytes;
 use burn_pack::{Reader, Tensor, Writer};
 
 use super::SnapshotError;
-use crate::ProcessGroup;
-use crate::error::{DdpError, Result};
-use crate::wire::{self, DecodeError};
 
 /// One record's parts.
 struct Parts {
@@ -48,15 +45,35 @@ fn write(parts: Parts) -> std::result::Result<Vec<u8>, SnapshotError> {
     Ok(bytes.to_vec())
 }
 
-/// The ranks' records merged into one: every tensor, scalar and path of each.
-pub(crate) fn merge(records: &[Vec<u8>]) -> std::result::Result<Vec<u8>, SnapshotError> {
+/// One rank's optimizer record and its parameter ids in visit order.
+pub(crate) struct Keyed<'a> {
+    /// The record (burnpack bytes).
+    pub record: &'a [u8],
+    /// The rank's parameter ids, in the model's visit order.
+    pub ids: &'a [u64],
+}
+
+/// The ranks' records merged into one keyed by the ids `to` (rank 0's, in visit order): every
+/// tensor, scalar and path of each, its ids replaced by those of the same parameters in `to`.
+pub(crate) fn merge(
+    records: &[Keyed<'_>],
+    to: &[u64],
+) -> std::result::Result<Vec<u8>, SnapshotError> {
     let mut all = Parts {
         tensors: Vec::new(),
         scalars: Vec::new(),
         metadata: Vec::new(),
     };
-    for record in records {
-        let parts = read(record)?;
+    for (rank, keyed) in records.iter().enumerate() {
+        if keyed.ids.len() != to.len() {
+            return Err(SnapshotError::Encode(format!(
+                "rank {rank}'s model has {} parameters, rank 0's {}",
+                keyed.ids.len(),
+                to.len()
+            )));
+        }
+        let map: HashMap<u64, u64> = keyed.ids.iter().copied().zip(to.iter().copied()).collect();
+        let parts = rekey(read(keyed.record)?, &map);
         all.tensors.extend(parts.tensors);
         all.scalars.extend(parts.scalars);
         all.metadata.extend(parts.metadata);
@@ -67,6 +84,36 @@ pub(crate) fn merge(records: &[Vec<u8>]) -> std::result::Result<Vec<u8>, Snapsho
 /// The id a record's key belongs to: `"{id}"` or `"{id}.{name}"`.
 fn key_id(key: &str) -> Option<u64> {
     key.split('.').next()?.parse().ok()
+}
+
+/// `key` with its id replaced by the one `map` gives it (unchanged if it has none there).
+fn rekey_key(key: &str, map: &HashMap<u64, u64>) -> String {
+    match key_id(key).and_then(|id| map.get(&id)) {
+        Some(to) => match key.split_once('.') {
+            Some((_, rest)) => format!("{to}.{rest}"),
+            None => to.to_string(),
+        },
+        None => key.to_string(),
+    }
+}
+
+/// `parts` with every id (tensors' parameter ids and names, scalars' and paths' keys) replaced
+/// by the one `map` gives it.
+fn rekey(mut parts: Parts, map: &HashMap<u64, u64>) -> Parts {
+    if map.iter().all(|(from, to)| from == to) {
+        return parts;
+    }
+    for t in &mut parts.tensors {
+        t.name = rekey_key(&t.name, map);
+        t.param_id = t.param_id.map(|id| map.get(&id).copied().unwrap_or(id));
+    }
+    for (key, _) in &mut parts.scalars {
+        *key = rekey_key(key, map);
+    }
+    for (key, _) in &mut parts.metadata {
+        *key = rekey_key(key, map);
+    }
+    parts
 }
 
 /// `record` with only the entries of the parameters `ids`.
@@ -85,33 +132,6 @@ pub(crate) fn keep(
 /// Bytes of the state tensors in `record`.
 pub(crate) fn state_bytes(record: &[u8]) -> std::result::Result<usize, SnapshotError> {
     Ok(read(record)?.tensors.iter().map(Tensor::byte_len).sum())
-}
-
-/// Every rank's optimizer record (a sharded run's), or its failure to take it, gathered.
-pub(crate) fn gather_optim(
-    group: &ProcessGroup,
-    mine: std::result::Result<&[u8], &SnapshotError>,
-) -> Result<Vec<std::result::Result<Vec<u8>, String>>> {
-    let mut w = wire::Writer::default();
-    match mine {
-        Ok(record) => w.u8(1).bytes(record),
-        Err(e) => w.u8(0).bytes(e.to_string().as_bytes()),
-    };
-    let all = group.all_gather(w.buf).wait()?;
-    (all.iter().enumerate())
-        .map(|(r, raw)| {
-            let mut reader = wire::Reader::new(raw);
-            let decoded = (|| Ok::<_, DecodeError>((reader.u8()?, reader.bytes()?.to_vec())))();
-            match decoded {
-                Ok((1, record)) => Ok(Ok(record)),
-                Ok((_, why)) => Ok(Err(String::from_utf8_lossy(&why).into_owned())),
-                Err(e) => Err(DdpError::Checkpoint {
-                    rank: group.rank(),
-                    reason: format!("rank {r} sent a malformed optimizer record: {e}"),
-                }),
-            }
-        })
-        .collect()
 }
 
 #[cfg(test)]
@@ -162,7 +182,9 @@ mod tests {
         assert_eq!(state_bytes(&only_weight).unwrap(), 2 * 6 * 4);
         assert_eq!(state_bytes(&only_bias).unwrap(), 2 * 2 * 4);
         assert_eq!(state_bytes(&both).unwrap(), 2 * 8 * 4);
-        let merged = merge(&[only_weight.clone(), only_bias]).unwrap();
+        let ids = [weight, bias];
+        let keyed = |record| Keyed { record, ids: &ids };
+        let merged = merge(&[keyed(&only_weight), keyed(&only_bias)], &ids).unwrap();
         assert_eq!(state_bytes(&merged).unwrap(), state_bytes(&both).unwrap());
         let kept = keep(&merged, &HashSet::from([weight])).unwrap();
         assert_eq!(state_bytes(&kept).unwrap(), 2 * 6 * 4);
@@ -171,5 +193,31 @@ mod tests {
             read(&only_weight).unwrap().scalars
         );
         assert!(keep(&[1, 2, 3], &HashSet::new()).is_err(), "not a record");
+        // Another rank's record, keyed by its own ids (7 and 8 for the same parameters), merges
+        // into one keyed by rank 0's, matched by visit order.
+        let map = HashMap::from([(weight, 7), (bias, 8)]);
+        let foreign = write(rekey(read(&only_bias).unwrap(), &map)).unwrap();
+        let bias_only = HashSet::from([bias]);
+        assert_eq!(
+            state_bytes(&keep(&foreign, &bias_only).unwrap()).unwrap(),
+            0
+        );
+        let theirs = [7, 8];
+        let foreign = Keyed {
+            record: &foreign,
+            ids: &theirs,
+        };
+        let merged = merge(&[keyed(&only_weight), foreign], &ids).unwrap();
+        let kept = keep(&merged, &bias_only).unwrap();
+        assert_eq!(state_bytes(&kept).unwrap(), 2 * 2 * 4);
+        let (kept, mine) = (read(&kept).unwrap(), read(&only_bias).unwrap());
+        let names = |p: &Parts| p.tensors.iter().map(|t| t.name.clone()).collect::<Vec<_>>();
+        assert_eq!(names(&kept), names(&mine));
+        assert_eq!((kept.scalars, kept.metadata), (mine.scalars, mine.metadata));
+        let too_few = Keyed {
+            record: &only_bias,
+            ids: &ids[..1],
+        };
+        assert!(merge(&[too_few], &ids).is_err(), "parameters differ");
     }
 }

@@ -31,6 +31,7 @@
 //! Communication therefore overlaps with packing and unpacking, not with backward.
 
 mod receive;
+mod share;
 mod sharded;
 mod visit;
 
@@ -122,7 +123,8 @@ impl GradientReducer {
 
     /// Shards the optimizer's work (default [`Sharding::None`]; every rank must choose the
     /// same): each rank then owns a part of the parameters, and the reductions hand back only
-    /// its own parameters' gradients (see [`Sharding`]).
+    /// its own parameters' gradients (see [`Sharding`]). A hand-written loop then steps its
+    /// optimizer and calls [`GradientReducer::share_parameters`] for the others' parameters.
     pub fn sharding(mut self, sharding: Sharding) -> Self {
         self.sharding = sharding;
         self.owners = None;

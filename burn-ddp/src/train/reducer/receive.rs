@@ -8,6 +8,7 @@ use std::time::Instant;
 use burn::tensor::Tensor;
 
 use super::{GradientReducer, InFlight};
+use crate::collectives::device::slices::cut;
 use crate::error::{DdpError, Result};
 use crate::train::fingerprint::FINGERPRINT_LEN;
 use crate::train::non_finite::NonFinite;
@@ -47,11 +48,11 @@ impl GradientReducer {
     pub(super) fn split_tails(&self, summed: Vec<Tensor<1>>) -> Result<(Vec<Tensor<1>>, Vec<f32>)> {
         let world = self.group.world_size();
         let tails: Vec<Tensor<1>> = (summed.iter().zip(&self.plan.buckets).enumerate())
-            .map(|(b, (t, bucket))| t.clone().narrow(0, bucket.len, self.tail_len(b)))
+            .map(|(b, (t, bucket))| cut(t, bucket.len, self.tail_len(b)))
             .collect();
         let tails = host_f32(Tensor::cat(tails, 0))?;
         let grads = (summed.into_iter().zip(&self.plan.buckets))
-            .map(|(sum, bucket)| sum.narrow(0, 0, bucket.len))
+            .map(|(sum, bucket)| cut(&sum, 0, bucket.len))
             .collect();
         Ok((average(grads, world), tails))
     }
@@ -88,7 +89,7 @@ impl GradientReducer {
                 let n = self.params[p].numel();
                 let inside = window.start <= offset && offset + n <= window.end;
                 if tail[k] > 0.0 && inside {
-                    out[p] = Some(grads.clone().narrow(0, offset - window.start, n));
+                    out[p] = Some(cut(&grads, offset - window.start, n));
                 }
             }
         }

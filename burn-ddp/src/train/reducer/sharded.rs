@@ -1,6 +1,7 @@
 //! The reducer's sharded half (see [`crate::train::Sharding`]): after the optimizer step the
-//! owners' updated parameters all-gathered, bucket by bucket, for every rank; what each rank
-//! owns; and what a step sends. (The gradients' reduce-scatter is the reduction of `mod.rs`
+//! owners' updated parameters all-gathered, bucket by bucket, for every rank (timed and
+//! counted in the step's figures, a span per bucket in the trace); what each rank owns; and
+//! what a step sends. (The gradients' reduce-scatter is the reduction of `mod.rs`
 //! with each bucket cut into its owners' parts.)
 
 use std::collections::HashSet;
@@ -15,17 +16,20 @@ use super::visit::{Give, Values};
 use crate::error::{DdpError, Result};
 use crate::train::ParamInfo;
 use crate::train::params::param_ids;
-use crate::train::telemetry::trace::{COMMUNICATION, Span, Trace};
+use crate::train::telemetry::StepStats;
+use crate::train::telemetry::trace::{COMMUNICATION, COMPUTE, Span, Trace};
 
 impl GradientReducer {
     /// After the optimizer stepped this rank's own parameters of `model`: every bucket's
     /// parameters all-gathered from their owners, as the values to give the parameters this
     /// rank does not own (by their ids, for [`crate::train::sharding::TakeOwners`]). `None`
-    /// when the work is not sharded.
+    /// when the work is not sharded. Adds the all-gather's time and bytes to `stats`
+    /// (`gather`, `gather_bytes`), and a span per bucket to `trace`.
     pub(crate) fn share_updates<M: Module>(
         &self,
         model: &M,
         trace: Option<&Trace>,
+        stats: &mut StepStats,
     ) -> Result<Option<GradientsParams>> {
         let Some(owners) = &self.owners else {
             return Ok(None);
@@ -48,31 +52,42 @@ impl GradientReducer {
                 .map(|&p| values[p].clone())
                 .collect();
             let like = &values[bucket.params[0]];
+            stats.gather_bytes += (bucket.len * like.dtype().size()) as f64;
             let mine = if mine.is_empty() {
                 Tensor::zeros([0], (&like.device(), like.dtype()))
             } else {
                 Tensor::cat(mine, 0)
             };
             let work = self.group.all_gather_parts(mine, &owners.parts[b]);
-            pending.push(work);
+            pending.push((work, Instant::now()));
         }
+        let first_sent = pending.first().map(|(_, sent)| *sent);
         let mut shared = vec![None; self.params.len()];
-        for (bucket, work) in self.plan.buckets.iter().zip(pending) {
-            let all = work.wait()?;
+        let mut received = started;
+        for (b, (bucket, (work, sent))) in self.plan.buckets.iter().zip(pending).enumerate() {
+            let all = work.wait();
+            received = Instant::now();
+            if let Some(trace) = trace {
+                let span = Span::bucket("all-gather bucket", b);
+                trace.span(span, COMMUNICATION, sent, received);
+            }
+            let all = all?;
             for (&p, &offset) in bucket.params.iter().zip(&bucket.offsets) {
-                if !owners.owns(p) {
-                    shared[p] = Some(all.clone().narrow(0, offset, self.params[p].numel()));
+                let numel = self.params[p].numel();
+                if !owners.owns(p) && numel > 0 {
+                    shared[p] = Some(all.clone().narrow(0, offset, numel));
                 }
             }
         }
+        stats.gather += first_sent.map_or(0.0, |t| (received - t).as_secs_f64());
         let mut out = GradientsParams::new();
         model.visit(&mut Give {
             grads: &mut out,
             flat: shared.into_iter(),
         });
         if let Some(trace) = trace {
-            let span = Span::named("all-gather parameters");
-            trace.span(span, COMMUNICATION, started, Instant::now());
+            let span = Span::named("share parameters");
+            trace.span(span, COMPUTE, started, Instant::now());
         }
         Ok(Some(out))
     }

@@ -29,6 +29,7 @@ mod valid_epoch;
 use self::epochs::EpochLoop;
 use self::shard::Split;
 use super::buffers::Buffers;
+use super::checkpoint::burn_train::refuse_in_sharded_run;
 use super::checkpoint::{CheckpointConfig, Position};
 use super::gather::GlobalItem;
 use super::reducer::GradientReducer;
@@ -168,8 +169,12 @@ where
         mut components: TrainingComponents<M>,
     ) -> LearningResult<M> {
         let fresh = Position::start_of(components.checkpoint.unwrap_or(0) + 1, 0);
+        // burn-train's checkpointer would save rank 0's share only of a sharded optimizer.
+        let sharded = self.reducer.shards();
+        let refused =
+            refuse_in_sharded_run(&self.group, sharded, components.checkpointer.is_some());
         // A checkpoint of this run, if configured and present, decides where training goes on.
-        let start = self.resume(&mut learner).map(|p| p.unwrap_or(fresh));
+        let start = refused.and_then(|()| self.resume(&mut learner).map(|p| p.unwrap_or(fresh)));
         let summary_config = components.summary.clone();
         let interrupter = components.interrupter.clone();
         if self.is_main() {

@@ -7,7 +7,7 @@ use burn::train::{Learner, LearnerModel};
 use super::DdpStrategy;
 use crate::error::{DdpError, Result};
 use crate::status::Phase;
-use crate::train::checkpoint::{self, Position, Snapshot, SnapshotError};
+use crate::train::checkpoint::{self, Position, Snapshot};
 
 impl DdpStrategy {
     /// Writes a checkpoint (rank 0) at `at`; every rank learns whether it worked.
@@ -29,14 +29,8 @@ impl DdpStrategy {
         }
         let timeout = self.group.options().timeout;
         let snapshot = if self.reducer.shards() {
-            // Each rank holds the state of its own parameters: rank 0 merges them.
-            let mine = Snapshot::take(learner, at, events, timeout);
-            let all =
-                checkpoint::shards::gather_optim(&self.group, mine.as_ref().map(Snapshot::optim))?;
-            self.is_main().then(|| {
-                let merged = shards_merged(all)?;
-                mine.map(|s| s.with_optim(merged))
-            })
+            // Each rank holds the state of its own parameters: rank 0 gathers and merges them.
+            checkpoint::gather::take_merged(&self.group, learner, at, events, timeout)?
         } else {
             self.is_main()
                 .then(|| Snapshot::take(learner, at, events, timeout))
@@ -142,14 +136,4 @@ impl DdpStrategy {
         }
         Ok(Some(p))
     }
-}
-
-/// The ranks' optimizer records (or the first rank's failure to take its own) merged into one.
-fn shards_merged(
-    all: Vec<std::result::Result<Vec<u8>, String>>,
-) -> std::result::Result<Vec<u8>, SnapshotError> {
-    let records = (all.into_iter().enumerate())
-        .map(|(r, one)| one.map_err(|e| SnapshotError::Encode(format!("rank {r}: {e}"))))
-        .collect::<std::result::Result<Vec<_>, _>>()?;
-    checkpoint::shards::merge(&records)
 }

@@ -191,7 +191,10 @@ where
             trace.span(span, COMPUTE, stepping, Instant::now());
         }
         // Sharded: the owners' updated parameters, for the parameters this rank does not own.
-        if let Some(values) = strategy.reducer.share_updates(&learner.model(), trace)? {
+        if let Some(values) = strategy
+            .reducer
+            .share_updates(&learner.model(), trace, &mut stats)?
+        {
             learner.optimizer_step(values);
         }
         // Optimizer steps of the epoch so far; the epoch's end has its own checkpoint.

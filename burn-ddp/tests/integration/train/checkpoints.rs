@@ -1,6 +1,7 @@
 //! Checkpoints of DdpLearner jobs: resuming is bit-identical to never stopping (or continues
 //! the epoch at another world size), and a damaged, foreign or unreachable checkpoint is an
-//! error on every rank.
+//! error on every rank. A sharded run's optimizer state reaches rank 0 in bounded pieces
+//! (`checkpoints/sharded.rs`).
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -14,6 +15,8 @@ use super::job::{JOB_EPOCHS, Job, run_job};
 use super::launch_to_error;
 use super::model::{DATA, flex, new_net};
 use crate::common::{digest, options, run_world};
+
+mod sharded;
 
 fn scratch_dir(name: &str) -> std::path::PathBuf {
     let dir = std::env::temp_dir().join(format!("burn-ddp-{name}-{}", std::process::id()));

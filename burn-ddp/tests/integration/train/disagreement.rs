@@ -5,7 +5,7 @@ use std::sync::Arc;
 
 use burn::optim::SgdConfig;
 use burn::train::TrainStep;
-use burn_ddp::train::{BufferSync, DdpLearner, ProgressOutput};
+use burn_ddp::train::{BucketConfig, BufferSync, DdpLearner, ProgressOutput, Sharding};
 
 use super::launch_to_error;
 use super::lockstep::ManualRank;
@@ -59,6 +59,33 @@ fn ranks_with_different_models_or_settings_stop_naming_the_difference() {
             setting_error.contains("setting batch_size = 4")
                 && setting_error.contains("setting batch_size = 5"),
             "{setting_error}"
+        );
+    }
+}
+
+/// The bucket sizes decide the buckets and, sharded, which rank owns which parameter: a rank
+/// with another bucket cap stops every rank before training, naming the setting and the rank.
+#[test]
+fn ranks_with_different_bucket_sizes_stop_naming_the_setting() {
+    let device = flex();
+    let errors = run_world(2, options(30), |group| {
+        let rank = group.rank();
+        let buckets = BucketConfig {
+            cap_bytes: [256, 1 << 20][rank],
+            first_cap_bytes: 64,
+        };
+        let model = new_net(&device, None, false);
+        let learner = DdpLearner::with_group(Arc::new(group), model, SgdConfig::new().init(), 0.1)
+            .buckets(buckets)
+            .shard_optimizer(Sharding::Optimizer)
+            .progress(ProgressOutput::Keep);
+        launch_to_error(learner, 4)
+    });
+    for (rank, e) in errors.iter().enumerate() {
+        assert!(
+            e.contains("rank 0 has setting bucket_cap_bytes = 256")
+                && e.contains("rank 1 has setting bucket_cap_bytes = 1048576"),
+            "rank {rank}: {e}"
         );
     }
 }

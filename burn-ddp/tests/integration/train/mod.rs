@@ -13,7 +13,10 @@
 //! - `compression`: gradients reduced in bf16 and fp16;
 //! - `sharding`: loaders without a sampler sharded by the learner; misuse caught at start;
 //! - `telemetry`: per-step figures as metrics, the straggler, Chrome traces;
-//! - `zero`: the sharded optimizer (ZeRO-1 and 2) against plain DDP and one process.
+//! - `zero`: the sharded optimizer (ZeRO-1 and 2) against plain DDP and one process;
+//! - `zero_edges`: ZeRO with a rank that owns nothing, buffers, frozen parameters, resumes;
+//! - `zero_telemetry`: a sharded step's parameter all-gather in the figures and traces;
+//! - `param_groups`: optimizer and learning-rate groups built by `ParamId` on each rank.
 
 mod buffers;
 mod checkpoints;
@@ -26,9 +29,12 @@ mod join;
 pub(crate) mod lockstep;
 mod model;
 mod non_finite;
+mod param_groups;
 mod sharding;
 mod telemetry;
 mod zero;
+mod zero_edges;
+mod zero_telemetry;
 
 pub(crate) use job::{Job, train_rank, uninterrupted_digest};
 pub(crate) use model::{EXIT_CODE, flex, new_net};

@@ -1,8 +1,12 @@
 //! The sharded optimizer (ZeRO-1 and ZeRO-2) against plain DdpLearner and against one process
 //! with the global batch: SGD with momentum, Adam and AdamW (weight decay on), a learning-rate
 //! schedule and gradient clipping, worlds 2 and 3, several epochs; with gradient accumulation;
-//! with a parameter some steps leave without gradient; with bf16 gradients. Each rank keeps only its share of the
-//! optimizer state, and sharded checkpoints resume at any world size, sharded or not.
+//! with a parameter some steps leave without gradient; with bf16 gradients. ZeRO-1 is
+//! bit-identical to plain DDP, and so is ZeRO-2 at world 2, bf16 included. ZeRO-2 issues one
+//! all-reduce per step (its buckets are reduce-scattered), ZeRO-1 as many as plain DDP. Each
+//! rank keeps only its share of the optimizer state, and sharded checkpoints resume at any
+//! world size, sharded or not (`zero_edges`: resumes with several buckets, a rank that owns
+//! nothing, buffers and frozen parameters).
 
 use std::sync::{Arc, Mutex};
 
@@ -15,7 +19,7 @@ use burn::train::SupervisedTraining;
 use burn_ddp::ProcessGroup;
 use burn_ddp::train::{
     CHECKPOINT_FILE, CheckpointConfig, Compression, DdpLearner, DdpTraining, DistributedSampler,
-    ProgressOutput, QuietRenderer, Sharding, flat_parameters, inspect_checkpoint,
+    GradientReducer, ProgressOutput, QuietRenderer, Sharding, flat_parameters, inspect_checkpoint,
 };
 
 use super::job::{Job, run_job};
@@ -57,10 +61,19 @@ struct Run {
     compression: Compression,
 }
 
-/// What a rank ends with: its parameters, and the bytes of its optimizer state.
+/// What a rank ends with: its parameters, the bytes of its optimizer state, and what its steps
+/// cost.
 struct Trained {
     params: Vec<f32>,
     state: usize,
+    /// All-reduces this rank issued in the whole run (measured by its group).
+    all_reduces: u64,
+    /// Optimizer steps the learner reported figures for (rank 0 gathers them; 0 elsewhere).
+    steps: usize,
+    /// The run's bucket plan: its buckets, and the bytes a rank sends per step on a ring
+    /// (`GradientReducer::sent_per_step`).
+    buckets: usize,
+    sent: f64,
 }
 
 /// Every rank's final parameters after 3 epochs. Ranks start from different weights, which
@@ -103,6 +116,10 @@ fn train(run: Run) -> Vec<Trained> {
         let lr = LinearLrSchedulerConfig::new(0.05, 0.005, 12)
             .init()
             .expect("schedule");
+        let plan = GradientReducer::new(&model, group.clone(), small_buckets())
+            .expect("a bucket plan")
+            .sharding(run.sharding)
+            .compression(run.compression);
         let learner = DdpLearner::with_group(group.clone(), model, optimizer(run.optim), lr)
             .sampler(&sampler)
             .valid_sampler(&valid_sampler)
@@ -118,6 +135,10 @@ fn train(run: Run) -> Vec<Trained> {
         Trained {
             params: flat_parameters(&result.model),
             state: figures.optimizer_state_bytes().expect("counted"),
+            all_reduces: group.all_reduce_count(),
+            steps: figures.steps().len(),
+            buckets: plan.plan().buckets.len(),
+            sent: plan.sent_per_step(),
         }
     })
 }
@@ -152,6 +173,12 @@ fn check(base: Run) {
         let sharded = train(Run { sharding, ..base });
         let all: Vec<&[f32]> = sharded.iter().map(|t| t.params.as_slice()).collect();
         assert_identical(&all);
+        if bit_identical(sharding, base.world) {
+            assert!(
+                same_bits(&plain[0].params, &sharded[0].params),
+                "{base:?} {sharding}: not bit-identical to plain DDP"
+            );
+        }
         let to_plain = relative_error(&sharded[0].params, &plain[0].params);
         let to_one = relative_error(&sharded[0].params, &reference[0].params);
         eprintln!("{base:?} {sharding}: {to_plain:e} from plain DDP, {to_one:e} from one process");
@@ -175,6 +202,19 @@ fn check(base: Run) {
             "{sharding}: {states:?} of {whole}"
         );
     }
+}
+
+/// Whether a sharded run must be bit-identical to plain DDP: ZeRO-1 always (the same
+/// all-reduce, and burn's optimizers step each tensor alone); ZeRO-2 at world 2 (a sum of two
+/// values does not depend on its order; at world 3 its buckets, without their tails, are cut
+/// into other ring segments, and each element is summed in another order).
+fn bit_identical(sharding: Sharding, world: usize) -> bool {
+    sharding == Sharding::Optimizer || world == 2
+}
+
+/// Whether `a` and `b` hold the same bits.
+fn same_bits(a: &[f32], b: &[f32]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits())
 }
 
 fn base(optim: Optim, world: usize) -> Run {
@@ -219,22 +259,90 @@ fn sharded_training_with_accumulation_and_a_parameter_without_gradient() {
     });
 }
 
-/// Gradients reduce-scattered in bf16: replicas identical, and close to plain DDP with bf16
-/// gradients (both round each bucket to 8 bits of mantissa, in another order).
+/// Gradients in bf16, all-reduced (ZeRO-1) or reduce-scattered (ZeRO-2): replicas identical;
+/// bit-identical to plain DDP with bf16 gradients where [`bit_identical`] says so (the same
+/// bf16 buckets summed in the same order), else close to it (ZeRO-2 at world 3: each bucket
+/// rounded to 8 bits of mantissa at each hop of the ring, cut into other segments).
 #[test]
 fn sharded_training_with_bf16_gradients() {
-    let run = Run {
-        compression: Compression::Bf16,
-        ..base(Optim::AdamW, 3)
-    };
-    let plain = train(run);
-    for sharding in [Sharding::Optimizer, Sharding::OptimizerAndGradients] {
-        let sharded = train(Run { sharding, ..run });
-        let all: Vec<&[f32]> = sharded.iter().map(|t| t.params.as_slice()).collect();
-        assert_identical(&all);
-        let err = relative_error(&sharded[0].params, &plain[0].params);
-        eprintln!("bf16, {sharding}: {err:e} from plain DDP with bf16");
-        assert!(err <= 1e-2, "bf16, {sharding}: {err:e}");
+    for world in [2, 3] {
+        let run = Run {
+            compression: Compression::Bf16,
+            ..base(Optim::AdamW, world)
+        };
+        let plain = train(run);
+        for sharding in [Sharding::Optimizer, Sharding::OptimizerAndGradients] {
+            let sharded = train(Run { sharding, ..run });
+            let all: Vec<&[f32]> = sharded.iter().map(|t| t.params.as_slice()).collect();
+            assert_identical(&all);
+            let err = relative_error(&sharded[0].params, &plain[0].params);
+            let same = same_bits(&sharded[0].params, &plain[0].params);
+            eprintln!(
+                "bf16, world {world}, {sharding}: {err:e} from plain DDP with bf16 (bit-identical: {same})"
+            );
+            assert!(
+                same || !bit_identical(sharding, world),
+                "bf16, world {world}, {sharding}: {err:e}, not bit-identical"
+            );
+            assert!(err <= 1e-2, "bf16, world {world}, {sharding}: {err:e}");
+        }
+    }
+}
+
+/// What tells the stages apart, measured by each rank's group: ZeRO-1 issues exactly plain
+/// DDP's all-reduces (its buckets all-reduced as in plain DDP); ZeRO-2 one per step instead of
+/// one per bucket (its buckets reduce-scattered; only the tails of all buckets are
+/// all-reduced), so a stage 2 that all-reduced its buckets fails here. By the reducer's
+/// accounting (`sent_per_step`), ZeRO-2 sends what plain DDP sends, ZeRO-1 one all-gather of
+/// the parameters more.
+#[test]
+fn zero_2_reduce_scatters_where_zero_1_all_reduces_as_plain_ddp() {
+    let values = flat_parameters(&new_net(&flex(), Some(7), false)).len();
+    for world in [2, 3] {
+        let run = base(Optim::Adam, world);
+        let plain = train(run);
+        let zero1 = train(Run {
+            sharding: Sharding::Optimizer,
+            ..run
+        });
+        let zero2 = train(Run {
+            sharding: Sharding::OptimizerAndGradients,
+            ..run
+        });
+        let steps = 3 * DATA.div_ceil(world * run.batch);
+        let buckets = plain[0].buckets;
+        assert!(buckets >= 3, "small buckets: {buckets}");
+        for (name, t) in [("plain", &plain), ("ZeRO-1", &zero1), ("ZeRO-2", &zero2)] {
+            assert_eq!(t[0].steps, steps, "world {world}, {name}: steps reported");
+            assert_eq!(t[0].buckets, buckets, "world {world}, {name}: buckets");
+        }
+        for r in 0..world {
+            let (p, z1, z2) = (
+                plain[r].all_reduces,
+                zero1[r].all_reduces,
+                zero2[r].all_reduces,
+            );
+            eprintln!("world {world}, rank {r}: all-reduces: plain {p}, ZeRO-1 {z1}, ZeRO-2 {z2}");
+            assert_eq!(z1, p, "world {world}, rank {r}: ZeRO-1 against plain DDP");
+            assert_eq!(
+                p.checked_sub(z2),
+                Some((steps * (buckets - 1)) as u64),
+                "world {world}, rank {r}: ZeRO-2 ({z2}) against plain DDP ({p}), {steps} steps \
+                 of {buckets} buckets"
+            );
+        }
+        let share = (world - 1) as f64 / world as f64;
+        let close = |a: f64, b: f64| (a - b).abs() <= 1e-9 * b;
+        let (p, z1, z2) = (plain[0].sent, zero1[0].sent, zero2[0].sent);
+        assert!(
+            close(z2, p),
+            "world {world}: ZeRO-2 sends {z2}, plain DDP {p}"
+        );
+        let gather = share * (values * 4) as f64;
+        assert!(
+            close(z1, p + gather),
+            "world {world}: ZeRO-1 sends {z1}, plain DDP {p}"
+        );
     }
 }
 
