@@ -8,6 +8,7 @@ use burn::module::{Module, ModuleMapper, ModuleVisitor, Param};
 use burn::tensor::{DType, Tensor};
 
 use crate::ProcessGroup;
+use crate::collectives::device::slices::cut;
 use crate::error::{DdpError, Result};
 use crate::wire::Writer;
 
@@ -238,7 +239,7 @@ impl ModuleMapper for Assign {
             let (dims, dtype, device) = (t.dims(), t.dtype(), t.device());
             let grad = t.is_require_grad();
             let n = t.shape().num_elements();
-            let values = self.flat.clone().narrow(0, self.offset, n);
+            let values = cut(&self.flat, self.offset, n);
             self.offset += n;
             let values = values.reshape(dims).cast(dtype);
             // Back on the autodiff flavour of the device when the parameter was there.

@@ -1,12 +1,15 @@
 //! Collectives on burn tensors, with the backend chosen once per device kind
 //! ([`DeviceBackend`], as PyTorch's c10d picks a backend per device type):
 //! - CUDA devices (feature `nccl`): NCCL on the tensor's CubeCL buffer, on NCCL's own stream
-//!   ([`nccl`]);
+//!   ([`nccl`]), around each call a plan of what the ranks agree on and how unequal or empty
+//!   parts are padded and cut (`plan.rs`, which CI runs with host collectives in NCCL's place:
+//!   `emulated.rs`, feature `test-support`);
 //! - every other burn device (CPU's `flex`, wgpu on Vulkan, Metal or DX12, ...): host staging,
 //!   device -> host -> TCP ring -> device ([`staged`]); on `flex` the "staging" is the tensor's
 //!   own memory.
 //!
-//! Either way the collective is one job on the group's collective thread, in issue order with
+//! Every collective is routed in one place ([`Request`] by device kind, `start`). Either way the
+//! collective is one job on the group's collective thread, in issue order with
 //! every other collective, returning a [`Work`]: the caller packs its next bucket while this one
 //! travels. The first tensor collective of a device kind checks that every rank uses the same
 //! kind (one small gather), so that a rank on the CPU among ranks on GPUs is an error that names

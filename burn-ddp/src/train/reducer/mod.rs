@@ -31,8 +31,8 @@
 //! Communication therefore overlaps with packing and unpacking, not with backward.
 
 mod receive;
-mod share;
 mod sharded;
+mod share;
 mod visit;
 
 use std::sync::Arc;
@@ -72,7 +72,7 @@ pub struct GradientReducer {
     /// What a non-finite gradient on some rank comes to.
     non_finite: NonFinite,
     /// How the optimizer's work is sharded, and (when it is, on several ranks) who owns what:
-    /// then `plan` is the owners' plan.
+    /// with the gradients sharded `plan` is then the owners' plan (ZeRO-1 keeps plain DDP's).
     sharding: Sharding,
     owners: Option<Owners>,
 }
@@ -132,7 +132,11 @@ impl GradientReducer {
         if sharding.shards() && world > 1 {
             let sizes: Vec<usize> = self.params.iter().map(ParamInfo::numel).collect();
             let owners = Owners::new(&self.plan, &sizes, world, self.group.rank());
-            self.plan = owners.plan.clone();
+            // ZeRO-2 reduce-scatters the owners' layout (each owner's part one range); ZeRO-1
+            // all-reduces plain DDP's layout, so its gradients are plain DDP's, bit for bit.
+            if sharding == Sharding::OptimizerAndGradients {
+                self.plan = owners.plan.clone();
+            }
             self.owners = Some(owners);
         }
         self

@@ -13,6 +13,7 @@ use burn::tensor::Tensor;
 
 use super::GradientReducer;
 use super::visit::{Give, Values};
+use crate::collectives::device::slices::{concat, cut};
 use crate::error::{DdpError, Result};
 use crate::train::ParamInfo;
 use crate::train::params::param_ids;
@@ -45,26 +46,24 @@ impl GradientReducer {
                 self.params.len()
             )));
         }
-        let mut pending = Vec::with_capacity(self.plan.buckets.len());
-        for (b, bucket) in self.plan.buckets.iter().enumerate() {
+        // The owners' layout (each owner's part one range), whatever layout the gradients took.
+        let buckets = &owners.plan.buckets;
+        let mut pending = Vec::with_capacity(buckets.len());
+        for (b, bucket) in buckets.iter().enumerate() {
             let mine: Vec<Tensor<1>> = (bucket.params.iter())
                 .filter(|&&p| owners.owns(p))
                 .map(|&p| values[p].clone())
                 .collect();
             let like = &values[bucket.params[0]];
             stats.gather_bytes += (bucket.len * like.dtype().size()) as f64;
-            let mine = if mine.is_empty() {
-                Tensor::zeros([0], (&like.device(), like.dtype()))
-            } else {
-                Tensor::cat(mine, 0)
-            };
+            let mine = concat(mine, &like.device(), like.dtype());
             let work = self.group.all_gather_parts(mine, &owners.parts[b]);
             pending.push((work, Instant::now()));
         }
         let first_sent = pending.first().map(|(_, sent)| *sent);
         let mut shared = vec![None; self.params.len()];
         let mut received = started;
-        for (b, (bucket, (work, sent))) in self.plan.buckets.iter().zip(pending).enumerate() {
+        for (b, (bucket, (work, sent))) in buckets.iter().zip(pending).enumerate() {
             let all = work.wait();
             received = Instant::now();
             if let Some(trace) = trace {
@@ -74,8 +73,8 @@ impl GradientReducer {
             let all = all?;
             for (&p, &offset) in bucket.params.iter().zip(&bucket.offsets) {
                 let numel = self.params[p].numel();
-                if !owners.owns(p) && numel > 0 {
-                    shared[p] = Some(all.clone().narrow(0, offset, numel));
+                if !owners.owns(p) {
+                    shared[p] = Some(cut(&all, offset, numel));
                 }
             }
         }

@@ -19,8 +19,8 @@ use burn::train::{
 };
 use burn_ddp::ProcessGroup;
 use burn_ddp::train::{
-    BufferSync, CheckpointConfig, DdpLearner, DdpTraining, DistributedSampler, GradientReducer,
-    ProgressOutput, QuietRenderer, Sharding, flat_parameters,
+    BufferSync, CheckpointConfig, Compression, DdpLearner, DdpTraining, DistributedSampler,
+    GradientReducer, ProgressOutput, QuietRenderer, Sharding, flat_parameters,
 };
 
 use super::model::{DATA, Points, flex};
@@ -146,6 +146,7 @@ struct Run {
     buffers: BufferSync,
     epochs: usize,
     checkpoints: Option<CheckpointConfig>,
+    compression: Compression,
 }
 
 impl Run {
@@ -156,6 +157,7 @@ impl Run {
             buffers: BufferSync::Broadcast,
             epochs: 2,
             checkpoints: None,
+            compression: Compression::None,
         }
     }
 }
@@ -214,6 +216,7 @@ fn train(start: &Small, run: &Run) -> Vec<Outcome> {
             .buckets(small_buckets())
             .buffer_sync(run.buffers)
             .shard_optimizer(run.sharding)
+            .compression(run.compression)
             .progress(ProgressOutput::Keep);
         if let Some(c) = &run.checkpoints {
             learner = learner.checkpoints(c.clone());
@@ -394,18 +397,26 @@ fn a_resumed_sharded_job_keeps_each_rank_to_its_share_of_the_state() {
 }
 
 /// ZeRO-1 all-reduces the gradients as plain DDP does, so it must be bit-identical to it at any
-/// world size, also where ownership lays a bucket out otherwise (as ZeRO-2's plan shows): at
-/// world 3 the bucket of the output weight and BatchNorm's gamma and beta goes owner by owner,
-/// and a ring of 3 ranks sums each element in an order that depends on its position.
+/// world size, bf16 gradients included, also where ownership lays a bucket out otherwise (as
+/// ZeRO-2's plan shows): at world 3 the bucket of the output weight and BatchNorm's gamma and
+/// beta goes owner by owner, and a ring of 3 ranks sums each element in an order that depends
+/// on its position.
 #[test]
 fn zero_1_is_bit_identical_to_plain_ddp_where_ownership_reorders_a_bucket() {
     let start = start(true);
-    let plain = train(&start, &Run::new(3, Sharding::None));
-    let zero2 = train(&start, &Run::new(3, Sharding::OptimizerAndGradients));
-    assert_ne!(
-        zero2[0].layout, plain[0].layout,
-        "ownership reorders no bucket here: the test would prove nothing"
-    );
-    let zero1 = train(&start, &Run::new(3, Sharding::Optimizer));
-    assert_like_plain(&zero1, &plain, true, "world 3, optimizer");
+    for compression in [Compression::None, Compression::Bf16] {
+        let run = |sharding| Run {
+            compression,
+            ..Run::new(3, sharding)
+        };
+        let plain = train(&start, &run(Sharding::None));
+        let zero2 = train(&start, &run(Sharding::OptimizerAndGradients));
+        assert_ne!(
+            zero2[0].layout, plain[0].layout,
+            "ownership reorders no bucket here: the test would prove nothing"
+        );
+        let zero1 = train(&start, &run(Sharding::Optimizer));
+        let what = format!("world 3, optimizer, {compression}");
+        assert_like_plain(&zero1, &plain, true, &what);
+    }
 }
