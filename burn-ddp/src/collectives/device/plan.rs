@@ -46,6 +46,8 @@ pub(crate) struct Plan {
     /// The collective's name in errors ("all_reduce", ...).
     pub name: &'static str,
     rank: usize,
+    /// Ranks in the group (read by the host emulation, feature `test-support`).
+    #[cfg_attr(not(feature = "test-support"), allow(dead_code))]
     world: usize,
     /// What every rank must ask for alike, in words.
     described: String,
@@ -137,11 +139,13 @@ impl Plan {
     }
 
     /// Elements per rank the call moves.
+    #[cfg_attr(not(feature = "test-support"), allow(dead_code))]
     pub(crate) fn slot(&self) -> usize {
         self.slot
     }
 
     /// Ranks in the group.
+    #[cfg_attr(not(feature = "test-support"), allow(dead_code))]
     pub(crate) fn world(&self) -> usize {
         self.world
     }
