@@ -358,6 +358,15 @@ pub(crate) fn load(group: &ProcessGroup, config: &CheckpointConfig) -> Result<Op
     rank_0_outcome(group, "write", unwritable)?;
     let (raw, problem) = if group.rank() == 0 && config.resume {
         match std::fs::read(config.path()) {
+            // Only a missing file is "no checkpoint": an empty one is a write or a copy cut
+            // short, and starting afresh would later overwrite it.
+            Ok(raw) if raw.is_empty() => (
+                Vec::new(),
+                format!(
+                    "{} is empty (a checkpoint cut short?): remove it to start afresh",
+                    config.path().display()
+                ),
+            ),
             Ok(raw) => (raw, String::new()),
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => (Vec::new(), String::new()),
             Err(e) => (

@@ -94,6 +94,30 @@ fn a_damaged_checkpoint_is_an_error_on_every_rank() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// Only a missing file means "no checkpoint": an empty one (a write cut short, a truncated copy)
+/// is an error naming it on every rank, and training does not start over and overwrite it.
+#[test]
+fn an_empty_checkpoint_file_is_an_error_not_a_fresh_start() {
+    let dir = scratch_dir("empty");
+    std::fs::create_dir_all(&dir).unwrap();
+    let config = CheckpointConfig::new(&dir);
+    std::fs::write(config.path(), b"").unwrap();
+    let results = run_job(&Job::plain(2, Some(config.clone())));
+    for (rank, r) in results.into_iter().enumerate() {
+        let e = r.expect_err("an empty checkpoint must not start training afresh");
+        let name = config.path().display().to_string();
+        assert!(
+            e.contains("is empty") && e.contains(&name),
+            "rank {rank}: {e}"
+        );
+    }
+    let left = std::fs::metadata(config.path())
+        .expect("the file stays")
+        .len();
+    assert_eq!(left, 0, "the empty file is left as it was, not overwritten");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 #[test]
 fn a_checkpoint_of_another_model_is_an_error_not_a_panic() {
     let dir = scratch_dir("other-model");
