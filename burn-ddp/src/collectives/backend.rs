@@ -65,10 +65,8 @@ impl Backends {
     ) -> Result<Self> {
         let (jobs, thread) = Worker::spawn(rank, transport, store, status)?;
         #[cfg(feature = "train")]
-        #[cfg(all(feature = "train", feature = "test-support"))]
-        let devices = super::device::DeviceBackends::nccl_plans_on_host(limits.nccl_plans_on_host);
-        #[cfg(all(feature = "train", not(feature = "test-support")))]
-        let devices = super::device::DeviceBackends::default();
+        #[cfg(feature = "train")]
+        let devices = super::device::DeviceBackends::new(&limits);
         Ok(Backends {
             rank,
             world,

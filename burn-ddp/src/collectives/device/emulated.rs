@@ -20,9 +20,14 @@ pub(super) fn start<T: Send + 'static>(
     request: Request,
     done: impl FnOnce(Vec<Tensor<1>>) -> T + Send + 'static,
 ) -> Work<T> {
-    let plan = Plan::new(&request, group.rank(), group.world(), &tensor);
-    let started = plan.call().zip(plan.input(tensor));
-    plan::run(group, plan, started, call, done)
+    plan::run(
+        group,
+        tensor,
+        request,
+        |call, input| (call, input),
+        call,
+        done,
+    )
 }
 
 /// NCCL's collective `call` on `input`, by the host collectives: equal parts only, as NCCL.

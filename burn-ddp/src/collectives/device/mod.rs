@@ -28,7 +28,7 @@ use std::sync::Mutex;
 
 use burn::tensor::{DType, Device, Tensor};
 
-use super::backend::Backends;
+use super::backend::{Backends, Limits};
 use super::buffer::{Broadcastable, Gatherable, Reducible, sealed};
 use super::worker::Worker;
 use super::{ReduceOp, Work};
@@ -120,12 +120,13 @@ pub(crate) struct DeviceBackends {
 }
 
 impl DeviceBackends {
-    /// No backend chosen yet; host tensors will take the NCCL backend's plans if `on_host`
-    /// (tests only, [`DeviceBackend::NcclPlansOnHost`]).
-    #[cfg(feature = "test-support")]
-    pub(crate) fn nccl_plans_on_host(on_host: bool) -> Self {
+    /// No backend chosen yet; with `limits.nccl_plans_on_host` (tests only) host tensors will
+    /// take the NCCL backend's plans ([`DeviceBackend::NcclPlansOnHost`]).
+    pub(crate) fn new(limits: &Limits) -> Self {
+        let _ = limits;
         DeviceBackends {
-            nccl_plans_on_host: on_host,
+            #[cfg(feature = "test-support")]
+            nccl_plans_on_host: limits.nccl_plans_on_host,
             ..Default::default()
         }
     }

@@ -142,16 +142,9 @@ pub(super) fn start<T: Send + 'static>(
     request: Request,
     done: impl FnOnce(Vec<Tensor<1>>) -> T + Send + 'static,
 ) -> Work<T> {
-    let plan = Plan::new(&request, group.rank(), group.world(), &tensor);
-    let started =
-        (plan.call().zip(plan.input(tensor))).map(|(call, input)| begin(comm, call, input));
-    plan::run(
-        group,
-        plan,
-        started,
-        |w, plan, started| wait(w, plan.name, started),
-        done,
-    )
+    let begin = |call, input| begin(comm, call, input);
+    let finish = |w: &mut Worker, plan: &Plan, started| wait(w, plan.name, started);
+    plan::run(group, tensor, request, begin, finish, done)
 }
 
 /// The NCCL collective `call` started on `input` (the one place this backend calls NCCL).

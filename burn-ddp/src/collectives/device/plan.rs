@@ -67,7 +67,7 @@ pub(crate) struct Plan {
 
 impl Plan {
     /// The plan of `request` on `tensor` for `rank` of `world`.
-    pub(crate) fn new(request: &Request, rank: usize, world: usize, tensor: &Tensor<1>) -> Plan {
+    fn new(request: &Request, rank: usize, world: usize, tensor: &Tensor<1>) -> Plan {
         let (n, dtype) = (tensor.shape().num_elements(), tensor.dtype());
         let mut plan = Plan {
             name: request.name(),
@@ -133,11 +133,6 @@ impl Plan {
         plan
     }
 
-    /// The NCCL call, if there is one to make.
-    pub(crate) fn call(&self) -> Option<Call> {
-        self.call
-    }
-
     /// Elements per rank the call moves.
     #[cfg_attr(not(feature = "test-support"), allow(dead_code))]
     pub(crate) fn slot(&self) -> usize {
@@ -152,7 +147,7 @@ impl Plan {
 
     /// NCCL's input: `tensor` cut into the plan's pieces, each padded with zeros to the slot
     /// (the tensor itself when nothing needs padding); `None` when no call is made.
-    pub(crate) fn input(&self, tensor: Tensor<1>) -> Option<Tensor<1>> {
+    fn input(&self, tensor: Tensor<1>) -> Option<Tensor<1>> {
         self.call?;
         if self.pieces.iter().all(|&p| p == self.slot) {
             return Some(tensor);
@@ -171,7 +166,7 @@ impl Plan {
     }
 
     /// This rank's message for the agreement: its description and its own problem, if any.
-    pub(crate) fn message(&self) -> Vec<u8> {
+    fn message(&self) -> Vec<u8> {
         let problem = self.problem.as_deref().unwrap_or("");
         Writer::default()
             .bytes(self.described.as_bytes())
@@ -183,7 +178,7 @@ impl Plan {
     /// Checks every rank's message (gathered by [`Plan::message`]): the first rank whose request
     /// differs from rank 0's, or whose own request is invalid, fails the collective on every
     /// rank with the same words.
-    pub(crate) fn agree(&self, said: &Said) -> Result<()> {
+    fn agree(&self, said: &Said) -> Result<()> {
         let all = said.decode_each("a collective's description", |r| {
             Ok((r.string()?, r.string()?))
         })?;
@@ -208,7 +203,7 @@ impl Plan {
 
     /// The result's tensors, cut from NCCL's output (`None` when no call was made: every kept
     /// range is then empty).
-    pub(crate) fn pieces_of(&self, output: Option<Tensor<1>>) -> Result<Vec<Tensor<1>>> {
+    fn pieces_of(&self, output: Option<Tensor<1>>) -> Result<Vec<Tensor<1>>> {
         let empty = || empty(&self.device, self.dtype);
         let Some(output) = output else {
             return match self.keep.iter().all(|&(_, len)| len == 0) {
@@ -231,22 +226,26 @@ impl Plan {
     }
 }
 
-/// Runs `plan` on the collective thread: every rank's request is agreed first, then `call`
-/// makes NCCL's output from what the caller's thread prepared (`started`: NCCL's pending
-/// collective, or the padded input), then the result is cut from it and handed to `done`.
-/// With no call to make (`started` is `None` on every rank alike) only the agreement runs.
+/// Runs `request` on `tensor` by its plan: on the caller's thread the plan is made and `begin`
+/// starts NCCL's call on the padded input (NCCL's pending collective, or the input itself for
+/// the host emulation); on the collective thread every rank's request is agreed first, then
+/// `finish` makes NCCL's output from what `begin` returned, and the result is cut from it and
+/// handed to `done`. With no call to make (on every rank alike) only the agreement runs.
 pub(crate) fn run<S: Send + 'static, T: Send + 'static>(
     group: &Backends,
-    plan: Plan,
-    started: Option<S>,
-    call: impl FnOnce(&mut Worker, &Plan, S) -> Result<Tensor<1>> + Send + 'static,
+    tensor: Tensor<1>,
+    request: Request,
+    begin: impl FnOnce(Call, Tensor<1>) -> S,
+    finish: impl FnOnce(&mut Worker, &Plan, S) -> Result<Tensor<1>> + Send + 'static,
     done: impl FnOnce(Vec<Tensor<1>>) -> T + Send + 'static,
 ) -> Work<T> {
+    let plan = Plan::new(&request, group.rank(), group.world(), &tensor);
+    let started = (plan.call.zip(plan.input(tensor))).map(|(call, input)| begin(call, input));
     group.on_worker(move |w| {
         let said = w.gather_said(&plan.message())?;
         plan.agree(&said)?;
         let output = match started {
-            Some(started) => Some(call(w, &plan, started)?),
+            Some(started) => Some(finish(w, &plan, started)?),
             None => None,
         };
         Ok(done(plan.pieces_of(output)?))
