@@ -6,7 +6,6 @@
 //! connection is used only once both are admitted and the ranks are the expected ones.
 
 use std::net::{SocketAddr, TcpListener, TcpStream};
-use std::sync::mpsc::Sender;
 use std::time::{Duration, Instant};
 
 use crate::error::{DdpError, Result};
@@ -16,6 +15,7 @@ use crate::status::name_ranks;
 use crate::store::Store;
 use crate::wire::{Reader, Writer};
 
+mod accept;
 mod iface;
 
 /// First bytes of every data-plane connection, both directions (`3`: challenge-response).
@@ -77,6 +77,17 @@ fn claim_rank(rank: usize, world: usize, store: &Store) -> Result<()> {
     Ok(())
 }
 
+/// Listens on `addr` with the longest accept queue the kernel allows (`somaxconn`), so a flood
+/// of connections fills no queue in which a rank's connection would be dropped (and dialled
+/// again only after the kernel's one-second retransmission).
+fn bind(addr: SocketAddr) -> std::io::Result<TcpListener> {
+    use socket2::{Domain, Socket, Type};
+    let socket = Socket::new(Domain::for_address(addr), Type::STREAM, None)?;
+    socket.bind(&addr.into())?;
+    socket.listen(i32::MAX)?;
+    Ok(socket.into())
+}
+
 /// Returns one connected stream per peer (`None` at `rank`), ready for the data plane.
 /// `ifname` names the network interface to listen on and advertise (default: the one whose
 /// address reaches the store).
@@ -116,9 +127,6 @@ pub(crate) fn connect(
     Ok(peers)
 }
 
-/// A connection that passed admission, with where it came from.
-type Admitted = (TcpStream, SocketAddr, handshake::Verified);
-
 /// One rank's part of connecting the mesh.
 struct Mesh<'a> {
     rank: usize,
@@ -146,7 +154,7 @@ impl Mesh<'_> {
             None => store.local_addr().ip(),
         };
         claim_rank(rank, self.world, store)?;
-        let listener = TcpListener::bind((ip, 0)).map_err(|source| DdpError::Bind {
+        let listener = bind(SocketAddr::new(ip, 0)).map_err(|source| DdpError::Bind {
             addr: format!("{ip}:0"),
             what: "data plane",
             hint: String::new(),
@@ -179,13 +187,59 @@ impl Mesh<'_> {
         })
     }
 
-    /// Connects to lower rank `peer` at its published address, through admission.
+    /// Connects to lower rank `peer` at its published address, through admission. A peer
+    /// that closes the connection before its verdict (it sheds connections under a flood, see
+    /// `accept`) is dialled again, with a growing pause, until the deadline.
     fn connect_to(&self, peer: usize) -> Result<TcpStream> {
-        let (rank, world) = (self.rank, self.world);
         let raw = self.store.get(&addr_key(peer))?;
         let addr: SocketAddr = String::from_utf8_lossy(&raw)
             .parse()
             .map_err(|_| self.fail(format!("rank {peer} published a bad address {raw:?}")))?;
+        let mut pause = Duration::from_millis(1);
+        let mut dropped = 0usize;
+        loop {
+            match self.dial(peer, addr)? {
+                Ok(stream) => {
+                    if dropped > 0 {
+                        log::info!(
+                            "rank {}: admitted by rank {peer} after {dropped} connections it \
+                             dropped (it was shedding connections)",
+                            self.rank
+                        );
+                    }
+                    return Ok(stream);
+                }
+                Err(e) if Instant::now() + pause < self.deadline => {
+                    dropped += 1;
+                    log::debug!(
+                        "rank {}: rank {peer} dropped the connection: {e}",
+                        self.rank
+                    );
+                    std::thread::sleep(pause);
+                    pause = (pause * 2).min(Duration::from_millis(50));
+                }
+                Err(e) => {
+                    return Err(DdpError::Admission {
+                        connection: format!(
+                            "rank {}: data plane of rank {peer} at {addr} (dropped {} times)",
+                            self.rank,
+                            dropped + 1
+                        ),
+                        source: e,
+                    });
+                }
+            }
+        }
+    }
+
+    /// One connection to `peer` at `addr` through admission: the stream, `Ok(Err)` when the
+    /// peer dropped it before its verdict (worth dialling again), or the error that stops.
+    fn dial(
+        &self,
+        peer: usize,
+        addr: SocketAddr,
+    ) -> Result<std::result::Result<TcpStream, handshake::AdmissionError>> {
+        let (rank, world) = (self.rank, self.world);
         let left = (self.deadline)
             .saturating_duration_since(Instant::now())
             .max(Duration::from_millis(1));
@@ -194,148 +248,22 @@ impl Mesh<'_> {
         let _ = stream.set_nodelay(true);
         let until = self.deadline.min(Instant::now() + ADMISSION_TIMEOUT);
         let side = side(&self.mine, self.secret);
-        let answer =
-            handshake::initiate(&stream, &side, until).map_err(|source| DdpError::Admission {
-                connection: format!("rank {rank}: data plane of rank {peer} at {addr}"),
-                source,
-            })?;
+        let answer = match handshake::initiate(&stream, &side, until) {
+            Ok(answer) => answer,
+            Err(e) if e.dropped_by_peer() => return Ok(Err(e)),
+            Err(source) => {
+                return Err(DdpError::Admission {
+                    connection: format!("rank {rank}: data plane of rank {peer} at {addr}"),
+                    source,
+                });
+            }
+        };
         match parse_claims(&answer) {
-            Some((r, w)) if r == peer && w == world => Ok(stream),
+            Some((r, w)) if r == peer && w == world => Ok(Ok(stream)),
             Some((r, w)) => Err(self.fail(format!(
                 "{addr} answered as rank {r} of {w}, expected rank {peer} of {world}"
             ))),
             None => Err(self.fail(format!("{addr} (rank {peer}) sent malformed claims"))),
         }
-    }
-
-    /// Accepts the higher ranks until each is connected. Each connection's admission runs on
-    /// a thread of its own, so silent or slow connections (a port scan, a stray) cannot hold
-    /// up the ranks behind them; connections that fail admission are refused without stopping
-    /// the group, an admitted peer that does not fit stops it.
-    fn accept_higher(&self, listener: &TcpListener, peers: &mut [Option<TcpStream>]) -> Result<()> {
-        let (rank, world) = (self.rank, self.world);
-        listener
-            .set_nonblocking(true)
-            .map_err(|e| DdpError::io("configuring the data-plane listener", e))?;
-        let (done, admitted) = std::sync::mpsc::channel();
-        // A clone of each connection still in admission, to close it once no longer needed.
-        let mut pending: Vec<TcpStream> = Vec::new();
-        let mut expected = world - 1 - rank;
-        let outcome = loop {
-            if expected == 0 {
-                break Ok(());
-            }
-            match listener.accept() {
-                Ok((stream, from)) => {
-                    if let Ok(clone) = stream.try_clone() {
-                        pending.push(clone);
-                    }
-                    self.start_admission(stream, from, done.clone());
-                    continue;
-                }
-                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
-                Err(e) => break Err(DdpError::io("accepting a peer", e)),
-            }
-            match admitted.recv_timeout(Duration::from_millis(1)) {
-                Ok((stream, from, verified)) => match self.place(&stream, from, verified, peers) {
-                    Ok(Some(peer)) => {
-                        peers[peer] = Some(stream);
-                        expected -= 1;
-                    }
-                    Ok(None) => {}
-                    Err(e) => break Err(e),
-                },
-                Err(_) if Instant::now() >= self.deadline => {
-                    let missing: Vec<usize> =
-                        (rank + 1..world).filter(|r| peers[*r].is_none()).collect();
-                    break Err(self.fail(format!(
-                        "{} published an address but never connected",
-                        name_ranks(&missing)
-                    )));
-                }
-                Err(_) => {}
-            }
-        };
-        // Connections still in admission are not the job's ranks (or no longer needed).
-        for stream in pending {
-            let admitted_peer = peers.iter().flatten().any(|p| {
-                p.peer_addr().ok() == stream.peer_addr().ok() && stream.peer_addr().is_ok()
-            });
-            if !admitted_peer {
-                let _ = stream.shutdown(std::net::Shutdown::Both);
-            }
-        }
-        outcome
-    }
-
-    /// Runs admission on a connection from `from` on a thread of its own (bounded by
-    /// [`ADMISSION_TIMEOUT`]); an admitted connection is sent to `done`, a refused one logged.
-    fn start_admission(&self, stream: TcpStream, from: SocketAddr, done: Sender<Admitted>) {
-        let (rank, mine, secret) = (self.rank, self.mine.clone(), self.secret.cloned());
-        let until = self.deadline.min(Instant::now() + ADMISSION_TIMEOUT);
-        let spawned = std::thread::Builder::new()
-            .name(format!("burn-ddp-admit{rank}"))
-            .spawn(move || {
-                let admission = stream
-                    .set_nonblocking(false)
-                    .map_err(|source| handshake::AdmissionError::Io {
-                        step: "configuring the socket",
-                        source,
-                    })
-                    .and_then(|_| {
-                        handshake::respond(&stream, &side(&mine, secret.as_ref()), until)
-                    });
-                match admission {
-                    Ok(verified) => {
-                        let _ = done.send((stream, from, verified));
-                    }
-                    Err(e) => {
-                        log::warn!("rank {rank}: refused a data-plane connection from {from}: {e}")
-                    }
-                }
-            });
-        if let Err(e) = spawned {
-            log::warn!("rank {rank}: cannot admit a data-plane connection from {from}: {e}");
-        }
-    }
-
-    /// Places an admitted connection: the peer it turned out to be, `None` when its claims do
-    /// not decode (refused), or the error of a peer that does not fit.
-    fn place(
-        &self,
-        stream: &TcpStream,
-        from: SocketAddr,
-        verified: handshake::Verified,
-        peers: &[Option<TcpStream>],
-    ) -> Result<Option<usize>> {
-        let (rank, world) = (self.rank, self.world);
-        // Only an admitted peer's claims can stop the group.
-        let Some((peer, w)) = parse_claims(&verified.claims) else {
-            log::warn!("rank {rank}: refused a data-plane connection from {from}: bad claims");
-            verified.refuse(stream, "malformed claims");
-            return Ok(None);
-        };
-        let problem = if w != world {
-            Some(format!(
-                "a peer at {from} believes WORLD_SIZE={w}, this rank has {world}"
-            ))
-        } else if peer <= rank || peer >= world {
-            Some(format!("unexpected connection from rank {peer} at {from}"))
-        } else if peers[peer].is_some() {
-            Some(format!(
-                "rank {peer} joined twice (second time from {from}): two processes have \
-                 RANK={peer}"
-            ))
-        } else {
-            None
-        };
-        if let Some(reason) = problem {
-            verified.refuse(stream, &format!("rank {rank}: {reason}"));
-            return Err(self.fail(reason));
-        }
-        verified
-            .admit(stream)
-            .map_err(|e| self.fail(format!("cannot answer rank {peer}: {e}")))?;
-        Ok(Some(peer))
     }
 }

@@ -5,12 +5,14 @@
 //! - `admission`: the store and the data plane admit the job's ranks only; the store listens
 //!   on the master address only;
 //! - `hostile`: fake stores, wrong secrets, replayed handshakes, malformed frames;
+//! - `mesh_flood`: 2,000 unauthenticated connections at the ranks' data plane during a rendezvous;
 //! - `startup`: what admission costs when a world of 8 forms;
 //! - `relay`, `watch`: a recording man in the middle and a fake store; the warnings this
 //!   process logs and the sizes it allocates.
 
 mod admission;
 mod hostile;
+mod mesh_flood;
 mod relay;
 mod startup;
 pub(crate) mod watch;
