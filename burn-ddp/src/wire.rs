@@ -3,7 +3,9 @@
 //!
 //! Messages are length-prefixed frames (`u32` little-endian length, then the body). A reader
 //! never trusts a length it has not checked against the bytes actually present or a fixed
-//! maximum, so garbage or absurd lengths become errors, never large allocations.
+//! maximum, so garbage or absurd lengths become errors, never large allocations. Fields inside
+//! a body carry `u32` lengths ([`Writer::bytes`]), or `u64` ones where they may reach 4 GiB
+//! ([`Writer::long_bytes`]: metrics tensors gathered to rank 0).
 
 use std::io::{self, Read, Write};
 
@@ -35,14 +37,31 @@ impl Writer {
         self.buf.extend_from_slice(&v.to_le_bytes());
         self
     }
-    /// A `u32` length followed by the bytes. A field of 4 GiB or more cannot be told (every
-    /// frame is far smaller): its length is written as `u32::MAX`, which no reader accepts for
-    /// the bytes that follow, so it is refused, never read as another length.
+    /// A `u32` length followed by the bytes: for the fields of frames, which are far smaller
+    /// than 4 GiB (a frame's own length is a `u32`). A field that may reach 4 GiB takes
+    /// [`Self::long_bytes`]. A field of `u32::MAX` bytes or more is a bug of the caller: debug
+    /// builds panic; release builds write the length `u32::MAX`, which [`Reader::bytes`]
+    /// refuses, so the field is refused where it is read, never taken for a shorter one.
     pub(crate) fn bytes(&mut self, v: &[u8]) -> &mut Self {
-        self.u32(u32::try_from(v.len()).unwrap_or(u32::MAX));
+        self.u32(short_len(v.len()));
         self.buf.extend_from_slice(v);
         self
     }
+    /// A `u64` length followed by the bytes: a field of any size.
+    pub(crate) fn long_bytes(&mut self, v: &[u8]) -> &mut Self {
+        self.u64(v.len() as u64);
+        self.buf.extend_from_slice(v);
+        self
+    }
+}
+
+/// The `u32` length [`Writer::bytes`] writes for a field of `len` bytes (see there).
+fn short_len(len: usize) -> u32 {
+    debug_assert!(
+        len < u32::MAX as usize,
+        "a field of {len} bytes written with a u32 length: use long_bytes"
+    );
+    u32::try_from(len).unwrap_or(u32::MAX)
 }
 
 /// Reads fields from a received body, checking every length against what is left.
@@ -87,9 +106,30 @@ impl<'a> Reader<'a> {
     pub(crate) fn f64(&mut self) -> Result<f64, DecodeError> {
         self.array().map(f64::from_le_bytes)
     }
+    /// A field written by [`Writer::bytes`]. The length `u32::MAX` is refused: it is what a
+    /// field too long for a `u32` length was written with.
     pub(crate) fn bytes(&mut self) -> Result<&'a [u8], DecodeError> {
-        let n = self.u32()? as usize;
-        self.take(n)
+        match self.u32()? {
+            u32::MAX => Err(DecodeError::Invalid(
+                "a field of 4 GiB or more was written with a 32-bit length".into(),
+            )),
+            n => self.take(n as usize),
+        }
+    }
+    /// A field written by [`Writer::long_bytes`].
+    pub(crate) fn long_bytes(&mut self) -> Result<&'a [u8], DecodeError> {
+        let n = self.u64()?;
+        self.fixed(n)
+    }
+    /// `n` bytes whose length was told elsewhere (a header); checked against what is left.
+    pub(crate) fn fixed(&mut self, n: u64) -> Result<&'a [u8], DecodeError> {
+        match usize::try_from(n) {
+            Ok(n) => self.take(n),
+            Err(_) => Err(DecodeError::Truncated {
+                needed: usize::MAX,
+                left: self.buf.len(),
+            }),
+        }
     }
     pub(crate) fn string(&mut self) -> Result<String, DecodeError> {
         let b = self.bytes()?;
@@ -285,5 +325,40 @@ mod tests {
         assert_eq!(r.string().unwrap(), "key");
         assert_eq!(r.i64().unwrap(), -5);
         r.finish().unwrap();
+    }
+
+    /// `long_bytes` fields round-trip; an absurd long length is refused before allocating;
+    /// the `u32::MAX` that `bytes` writes for a field too long for it is refused, never read
+    /// as a field of that length.
+    #[test]
+    fn long_fields_round_trip_and_a_saturated_length_is_refused() {
+        let mut w = Writer::default();
+        w.long_bytes(b"long").long_bytes(b"").u8(7);
+        let mut r = Reader::new(&w.buf);
+        assert_eq!(r.long_bytes().unwrap(), b"long");
+        assert_eq!(r.long_bytes().unwrap(), b"");
+        assert_eq!(r.u8().unwrap(), 7);
+        r.finish().unwrap();
+        let mut w = Writer::default();
+        w.u64(u64::MAX).u8(1);
+        assert!(matches!(
+            Reader::new(&w.buf).long_bytes(),
+            Err(DecodeError::Truncated { .. })
+        ));
+        let mut saturated = vec![0xff; 4];
+        saturated.resize(4 + 64, 0);
+        assert!(matches!(
+            Reader::new(&saturated).bytes(),
+            Err(DecodeError::Invalid(_))
+        ));
+    }
+
+    /// A field of 4 GiB given a `u32` length is a bug caught in debug builds.
+    #[test]
+    #[cfg(debug_assertions)]
+    #[should_panic(expected = "use long_bytes")]
+    fn a_field_of_4_gib_with_a_u32_length_panics_in_debug_builds() {
+        assert_eq!(short_len(u32::MAX as usize - 1), u32::MAX - 1);
+        short_len(u32::MAX as usize);
     }
 }

@@ -13,8 +13,10 @@
 //! With another world size the epoch continues with the samples the job has not yet seen, in the
 //! same shuffled order, sharded over the new ranks; the global batch is then the per-rank batch
 //! times the new world size, and learning-rate schedules count optimizer steps as before.
+//!
+//! The file's format ([`format`]) holds records of any size (64-bit lengths, in a header in
+//! front of them); it is written and checked streaming, never held twice or whole.
 
-use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
@@ -30,13 +32,14 @@ use crate::wire::{DecodeError, Reader, Writer};
 
 /// File name of the checkpoint inside the directory.
 pub const CHECKPOINT_FILE: &str = "checkpoint.bddp";
-const MAGIC: &[u8; 8] = b"BDDPCKPT";
-const VERSION: u32 = 1;
 
 pub(crate) mod burn_train;
+mod format;
 pub(crate) mod gather;
 mod handover;
 pub(crate) mod shards;
+
+pub(crate) use format::checksum;
 
 #[cfg(feature = "test-support")]
 pub use gather::{GatherStats, last_gather};
@@ -121,8 +124,25 @@ pub(crate) enum SnapshotError {
     #[error("the checksum does not match: the file is damaged")]
     Damaged,
     /// Another format version (the one found).
-    #[error("format version {0}, expected {VERSION}")]
+    #[error("format version {0}: this build reads versions 1 and 2")]
     Version(u32),
+    /// The file ends inside its header (after this many bytes).
+    #[error("the file ends inside its header, after {0} bytes: it was cut short")]
+    HeaderCut(u64),
+    /// The file's length is not the one its header describes.
+    #[error(
+        "its header describes a file of {described} bytes, but it holds {holds}: it was cut \
+         short, or is not one whole checkpoint"
+    )]
+    Size {
+        /// Bytes the header describes.
+        described: u64,
+        /// Bytes the file holds.
+        holds: u64,
+    },
+    /// Reading the file failed.
+    #[error("reading it: {0}")]
+    Io(#[from] std::io::Error),
     /// A stored size does not fit this machine's `usize`.
     #[error("a size does not fit")]
     SizeOverflow,
@@ -156,63 +176,7 @@ pub(crate) struct Snapshot {
     scheduler: Vec<u8>,
 }
 
-/// FNV-1a of `bytes`: the checkpoint file's checksum (to tell a damaged file from a valid one),
-/// and the replicas' digest in the replica check.
-pub(crate) fn checksum(bytes: &[u8]) -> u64 {
-    bytes.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
-        (h ^ *b as u64).wrapping_mul(0x100_0000_01b3)
-    })
-}
-
 impl Snapshot {
-    fn encode(&self) -> Vec<u8> {
-        let p = &self.position;
-        let mut w = Writer::default();
-        w.buf.extend_from_slice(MAGIC);
-        w.u32(VERSION)
-            .u64(p.epoch as u64)
-            .u64(p.batches as u64)
-            .u64(p.samples as u64)
-            .u64(p.world_size as u64)
-            .bytes(&self.model)
-            .bytes(&self.optim)
-            .bytes(&self.scheduler);
-        let sum = checksum(&w.buf);
-        w.u64(sum);
-        w.buf
-    }
-
-    fn decode(raw: &[u8]) -> std::result::Result<Self, SnapshotError> {
-        if raw.len() < MAGIC.len() + 12 || &raw[..MAGIC.len()] != MAGIC {
-            return Err(SnapshotError::NotACheckpoint);
-        }
-        let (body, sum) = raw.split_at(raw.len() - 8);
-        let mut tail = Reader::new(sum);
-        if tail.u64()? != checksum(body) {
-            return Err(SnapshotError::Damaged);
-        }
-        let mut r = Reader::new(&body[MAGIC.len()..]);
-        let version = r.u32()?;
-        if version != VERSION {
-            return Err(SnapshotError::Version(version));
-        }
-        let size = |v: u64| usize::try_from(v).map_err(|_| SnapshotError::SizeOverflow);
-        let position = Position {
-            epoch: size(r.u64()?)?,
-            batches: size(r.u64()?)?,
-            samples: size(r.u64()?)?,
-            world_size: size(r.u64()?)?,
-        };
-        let snapshot = Snapshot {
-            position,
-            model: r.bytes()?.to_vec(),
-            optim: r.bytes()?.to_vec(),
-            scheduler: r.bytes()?.to_vec(),
-        };
-        r.finish()?;
-        Ok(snapshot)
-    }
-
     /// The optimizer's record (burnpack bytes).
     pub(crate) fn optim(&self) -> &[u8] {
         &self.optim
@@ -252,16 +216,23 @@ impl Snapshot {
     }
 }
 
-/// Writes `bytes` to `path` atomically: a temporary file in the same directory, flushed to
-/// disk, renamed over `path`, and the directory flushed.
-pub(crate) fn write_atomically(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
+/// Writes `path` atomically with `write`: to a temporary file in the same directory, flushed to
+/// disk, renamed over `path`, and the directory flushed. A failed write removes the temporary
+/// file and leaves `path` as it was.
+pub(crate) fn write_atomically(
+    path: &Path,
+    write: impl FnOnce(&mut std::fs::File) -> std::io::Result<()>,
+) -> std::io::Result<()> {
     let dir = path.parent().unwrap_or(Path::new("."));
     std::fs::create_dir_all(dir)?;
     let tmp = path.with_extension("tmp");
-    {
-        let mut f = std::fs::File::create(&tmp)?;
-        f.write_all(bytes)?;
-        f.sync_all()?;
+    let written = std::fs::File::create(&tmp).and_then(|mut f| {
+        write(&mut f)?;
+        f.sync_all()
+    });
+    if let Err(e) = written {
+        let _ = std::fs::remove_file(&tmp);
+        return Err(e);
     }
     std::fs::rename(&tmp, path)?;
     if let Ok(d) = std::fs::File::open(dir) {
@@ -270,7 +241,9 @@ pub(crate) fn write_atomically(path: &Path, bytes: &[u8]) -> std::io::Result<()>
     Ok(())
 }
 
-/// Reads the position stored in a checkpoint file (and checks the file is whole).
+/// Reads the position stored in a checkpoint file, checking that the file is whole (its length
+/// is the one its header describes) and undamaged (its checksum). The file is read in pieces of
+/// 1 MiB, never held whole, whatever its size.
 ///
 /// ```no_run
 /// let at = burn_ddp::train::inspect_checkpoint("run1/checkpoint.bddp".as_ref())?;
@@ -278,14 +251,13 @@ pub(crate) fn write_atomically(path: &Path, bytes: &[u8]) -> std::io::Result<()>
 /// # Ok::<(), burn_ddp::DdpError>(())
 /// ```
 pub fn inspect_checkpoint(path: &Path) -> Result<Position> {
-    let raw =
-        std::fs::read(path).map_err(|e| DdpError::io(format!("reading {}", path.display()), e))?;
-    Snapshot::decode(&raw)
-        .map(|s| s.position)
-        .map_err(|reason| DdpError::Checkpoint {
-            rank: 0,
-            reason: format!("{}: {reason}", path.display()),
-        })
+    let opened = std::fs::File::open(path).and_then(|f| Ok((f.metadata()?.len(), f)));
+    let (len, mut file) =
+        opened.map_err(|e| DdpError::io(format!("reading {}", path.display()), e))?;
+    format::inspect(&mut file, len).map_err(|reason| DdpError::Checkpoint {
+        rank: 0,
+        reason: format!("{}: {reason}", path.display()),
+    })
 }
 
 /// Rank 0 writes `snapshot` (taken on rank 0 only); every rank learns the outcome.
@@ -297,7 +269,7 @@ pub(crate) fn save(
     let outcome = match snapshot {
         None => String::new(),
         Some(Err(e)) => e.to_string(),
-        Some(Ok(s)) => match write_atomically(&config.path(), &s.encode()) {
+        Some(Ok(s)) => match write_atomically(&config.path(), |f| format::write(&s, f)) {
             Ok(()) => {
                 log::info!(
                     "rank 0: checkpoint written to {} ({:?})",
@@ -438,5 +410,29 @@ mod tests {
             Snapshot::decode(&flipped),
             Err(SnapshotError::Damaged)
         ));
+    }
+
+    /// A model record of 4 GiB and 5 bytes is written and read back whole (about 9 GiB of
+    /// memory: run with `--ignored`).
+    #[test]
+    #[ignore]
+    fn a_record_over_4_gib_round_trips_in_memory() {
+        let n = (1usize << 32) + 5;
+        let s = Snapshot {
+            position: Position {
+                epoch: 1,
+                batches: 2,
+                samples: 3,
+                world_size: 4,
+            },
+            model: vec![0; n],
+            optim: vec![7; 3],
+            scheduler: vec![9; 2],
+        };
+        let raw = s.encode();
+        let back = Snapshot::decode(&raw).unwrap();
+        assert_eq!(back.position, s.position);
+        assert_eq!(back.model.len(), n);
+        assert_eq!((back.optim, back.scheduler), (s.optim, s.scheduler));
     }
 }

@@ -1,7 +1,8 @@
 //! Checkpoints of DdpLearner jobs: resuming is bit-identical to never stopping (or continues
 //! the epoch at another world size), and a damaged, foreign or unreachable checkpoint is an
 //! error on every rank. A sharded run's optimizer state reaches rank 0 in bounded pieces
-//! (`checkpoints/sharded.rs`).
+//! (`checkpoints/sharded.rs`); the file's format: version 1 files still resume, files over
+//! 4 GiB are checked streaming (`checkpoints/format.rs`).
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -16,6 +17,7 @@ use super::launch_to_error;
 use super::model::{DATA, flex, new_net};
 use crate::common::{digest, options, run_world};
 
+mod format;
 mod sharded;
 
 fn scratch_dir(name: &str) -> std::path::PathBuf {

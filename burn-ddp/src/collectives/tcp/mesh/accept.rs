@@ -8,7 +8,7 @@
 
 use std::collections::VecDeque;
 use std::net::{SocketAddr, TcpListener, TcpStream};
-use std::sync::mpsc::{Receiver, Sender, TryRecvError};
+use std::sync::mpsc::{Receiver, Sender};
 use std::time::{Duration, Instant};
 
 use super::{ADMISSION_TIMEOUT, Mesh, parse_claims, side};
@@ -142,21 +142,16 @@ impl Mesh<'_> {
                     }
                 }
             }
-            loop {
-                match outcomes.try_recv() {
-                    Ok((id, admitted)) => {
-                        busy = true;
-                        // A connection closed as the oldest meanwhile is not used: its peer,
-                        // if a rank, dials again.
-                        if pending.finish(id)
-                            && let Some((stream, verified)) = admitted
-                            && let Some(peer) = self.place(&stream, verified, peers)?
-                        {
-                            peers[peer] = Some(stream);
-                            expected -= 1;
-                        }
-                    }
-                    Err(TryRecvError::Empty | TryRecvError::Disconnected) => break,
+            while let Ok((id, admitted)) = outcomes.try_recv() {
+                busy = true;
+                // A connection closed as the oldest meanwhile is not used: its peer, if a
+                // rank, dials again.
+                if pending.finish(id)
+                    && let Some((stream, verified)) = admitted
+                    && let Some(peer) = self.place(&stream, verified, peers)?
+                {
+                    peers[peer] = Some(stream);
+                    expected -= 1;
                 }
             }
             if !busy {
