@@ -132,7 +132,6 @@ pub fn free_port(host: &str) -> Result<u16> {
 /// are killed and the error names the rank that failed first and how. With
 /// [`LaunchConfig::max_restarts`], a failed job is started again (all ranks) that many times.
 pub fn launch(cfg: &LaunchConfig) -> Result<()> {
-    crate::limits::raise_open_files();
     if cfg.nproc_per_node == 0 || cfg.nnodes == 0 || cfg.node_rank >= cfg.nnodes {
         return Err(DdpError::InvalidConfig(format!(
             "nproc_per_node={} nnodes={} node_rank={}: need at least one process and node, and \
@@ -140,6 +139,10 @@ pub fn launch(cfg: &LaunchConfig) -> Result<()> {
             cfg.nproc_per_node, cfg.nnodes, cfg.node_rank
         )));
     }
+    // Only as far as this job needs: the ranks inherit it (see `crate::limits`).
+    let world = cfg.nproc_per_node * cfg.nnodes;
+    let needs = crate::limits::launcher_needs(world, cfg.nproc_per_node, cfg.node_rank == 0);
+    crate::limits::raise_open_files_to(needs);
     let several_nodes_without_port = cfg.nnodes > 1 && cfg.master_port.is_none();
     if several_nodes_without_port {
         return Err(DdpError::InvalidConfig(

@@ -4,22 +4,31 @@
 //!
 //! One handler thread per process receives the signals and hands them to whoever
 //! [`subscribe`]d: a training loop ([`StopSignals`]) or the launcher (which forwards them to its
-//! ranks). In a training loop the first SIGTERM, SIGINT or SIGUSR1 is then only recorded: the training loop reads it
-//! with [`StopSignals::requested`], the ranks agree on it at a step boundary, write a checkpoint
-//! and end with [`crate::DdpError::Stopped`], whose exit code is
+//! ranks). In a training loop the first SIGTERM, SIGINT or SIGUSR1 is then only recorded: the
+//! training loop reads it with [`StopSignals::requested`], the ranks agree on it at a step
+//! boundary, write a checkpoint and end with [`crate::DdpError::Stopped`], whose exit code is
 //! [`exit_code`]`(signal)` = 128 + the signal's number (143 for SIGTERM, 130 for SIGINT, 138
 //! for SIGUSR1), what a shell reports for a process the signal ended. What stops a rank at once:
 //! - a second signal, at least [`REPEAT_WINDOW`] after the first (a terminal's Ctrl-C reaches
 //!   a rank twice within it: directly, and forwarded by the launcher; that counts as one);
-//! - no agreement within the collective timeout after the first signal (a rank stuck in a step);
+//! - no agreement within the collective timeout after the first signal (a rank stuck in a step),
+//!   not counting the time the rank writes a checkpoint (see [`StopSignals::arm_for`]); this
+//!   watchdog stands down when the training loop returns (its [`StopSignals`] is dropped);
 //! - any of these signals while no training loop is armed (the default action: exit).
+//!
+//! No signal is lost at start-up: the listeners' table exists before the handlers are installed,
+//! and they are installed only once the thread that reads them exists (handlers without a reader
+//! would swallow every signal).
 
 use std::io::Write;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, Mutex, OnceLock};
+use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
+use crate::ProcessGroup;
 use crate::error::{DdpError, Result};
+use crate::status::Phase;
 
 /// The signals that request a graceful stop.
 #[cfg(unix)]
@@ -49,81 +58,78 @@ pub fn signal_name(signal: i32) -> String {
 /// A function called on the handler thread with each stop signal received.
 type Listener = Arc<dyn Fn(i32) + Send + Sync>;
 
-/// The process's one handler thread and who listens to it.
-struct Dispatcher {
-    listeners: Mutex<Vec<(u64, Listener)>>,
-    next_id: AtomicU64,
-}
+/// Who listens, by subscription id. A static, so that it exists before the handlers are
+/// installed: a signal that arrives while they are being installed finds it.
+static LISTENERS: Mutex<Vec<(u64, Listener)>> = Mutex::new(Vec::new());
 
-/// The dispatcher, or why installing it failed (kept for every later caller).
-static DISPATCHER: OnceLock<std::io::Result<Dispatcher>> = OnceLock::new();
+/// The next subscription's id.
+static NEXT_ID: AtomicU64 = AtomicU64::new(0);
+
+/// Whether installing the handlers worked, or why not (tried once, kept for every later caller).
+static INSTALLED: OnceLock<std::io::Result<()>> = OnceLock::new();
 
 /// Calls `listener` with every stop signal this process receives until the returned
 /// [`Subscription`] is dropped. While nobody listens, a stop signal ends the process at once
 /// with [`exit_code`] (the signals' default action). The handlers are installed by the first
-/// call and stay for the process's life.
+/// call and stay for the process's life; a signal that arrives while they are being installed
+/// reaches `listener`.
 pub fn subscribe(listener: impl Fn(i32) + Send + Sync + 'static) -> Result<Subscription> {
-    let dispatcher = DISPATCHER.get_or_init(install).as_ref().map_err(|e| {
-        DdpError::io(
-            "installing signal handlers",
-            std::io::Error::new(e.kind(), e.to_string()),
-        )
-    })?;
-    let id = dispatcher.next_id.fetch_add(1, Ordering::Relaxed);
-    let mut listeners = crate::sync::lock(&dispatcher.listeners);
-    listeners.push((id, Arc::new(listener)));
-    Ok(Subscription { id, dispatcher })
+    let id = NEXT_ID.fetch_add(1, Ordering::Relaxed);
+    crate::sync::lock(&LISTENERS).push((id, Arc::new(listener)));
+    // Dropped (so unregistered) on the way out if the handlers cannot be installed.
+    let subscription = Subscription { id };
+    if let Err(e) = INSTALLED.get_or_init(install) {
+        let e = std::io::Error::new(e.kind(), e.to_string());
+        return Err(DdpError::io("installing signal handlers", e));
+    }
+    Ok(subscription)
 }
 
 /// A listener registered with [`subscribe`]; dropping it unregisters the listener.
+#[derive(Debug)]
 pub struct Subscription {
     id: u64,
-    dispatcher: &'static Dispatcher,
-}
-
-impl std::fmt::Debug for Subscription {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Subscription")
-            .field("id", &self.id)
-            .finish()
-    }
 }
 
 impl Drop for Subscription {
     fn drop(&mut self) {
-        let mut listeners = crate::sync::lock(&self.dispatcher.listeners);
-        listeners.retain(|(id, _)| *id != self.id);
+        crate::sync::lock(&LISTENERS).retain(|(id, _)| *id != self.id);
     }
 }
 
+/// Starts the handler thread, then installs the handlers and hands them to it: a thread that
+/// cannot be started leaves the signals' default action in place, and no signal waits for a
+/// reader that never comes.
 #[cfg(unix)]
-fn install() -> std::io::Result<Dispatcher> {
-    let mut signals = signal_hook::iterator::Signals::new(STOP_SIGNALS)?;
+fn install() -> std::io::Result<()> {
+    let (tx, rx) = std::sync::mpsc::channel::<signal_hook::iterator::Signals>();
     std::thread::Builder::new()
         .name("burn-ddp-signals".into())
         .spawn(move || {
+            // Returns at once when the handlers could not be installed (the sender is gone).
+            let Ok(mut signals) = rx.recv() else {
+                return;
+            };
             for signal in signals.forever() {
                 dispatch(signal);
             }
         })?;
-    Ok(Dispatcher {
-        listeners: Mutex::new(Vec::new()),
-        next_id: AtomicU64::new(0),
-    })
+    let signals = signal_hook::iterator::Signals::new(STOP_SIGNALS)?;
+    // The thread waits for them from its first instruction; it cannot have ended.
+    tx.send(signals)
+        .map_err(|_| std::io::Error::other("the signal thread ended before it got the handlers"))
 }
 
 #[cfg(not(unix))]
-fn install() -> std::io::Result<Dispatcher> {
+fn install() -> std::io::Result<()> {
     Err(std::io::Error::other(
         "stop signals are handled on Unix only",
     ))
 }
 
+/// Hands `signal` to every listener; with none (or one that panicked), the default action.
 fn dispatch(signal: i32) {
-    let Some(Ok(dispatcher)) = DISPATCHER.get() else {
-        return;
-    };
-    let listeners: Vec<Listener> = crate::sync::lock(&dispatcher.listeners)
+    let listeners: Vec<Listener> = crate::sync::lock(&LISTENERS)
         .iter()
         .map(|(_, l)| l.clone())
         .collect();
@@ -134,8 +140,14 @@ fn dispatch(signal: i32) {
             "received with no training or launch running",
         );
     }
-    for listener in listeners {
-        listener(signal);
+    // A listener's panic must not end this thread: every later signal would be swallowed.
+    let delivered = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        for listener in &listeners {
+            listener(signal);
+        }
+    }));
+    if delivered.is_err() {
+        exit_now("this process", signal, "its stop-signal listener panicked");
     }
 }
 
@@ -199,26 +211,78 @@ impl Repeats {
 #[derive(Debug)]
 pub struct StopSignals {
     state: Arc<StopState>,
-    _subscription: Subscription,
+    /// `None` once dropping began.
+    subscription: Option<Subscription>,
 }
 
-#[derive(Debug, Default)]
+/// Whether the rank is busy with something that does not count toward the watchdog's timeout.
+type Busy = Box<dyn Fn() -> bool + Send + Sync>;
+
+/// How often the watchdog asks whether the rank is busy (when it can be).
+const BUSY_POLL: Duration = Duration::from_millis(100);
+
 struct StopState {
+    rank: usize,
+    /// How long the ranks may take to agree after the first signal (busy time not counted).
+    timeout: Duration,
     repeats: Repeats,
-    /// The ranks agreed to stop (the watchdog stands down).
-    agreed: AtomicBool,
+    busy: Option<Busy>,
+    /// The watchdog stands down: the ranks agreed to stop, or the training loop returned.
+    stand_down: Mutex<bool>,
+    changed: Condvar,
+    /// The watchdog's thread, once a first signal started it.
+    watchdog: Mutex<Option<JoinHandle<()>>>,
+}
+
+impl std::fmt::Debug for StopState {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("StopState")
+            .field("rank", &self.rank)
+            .field("timeout", &self.timeout)
+            .field("repeats", &self.repeats)
+            .field("stand_down", &*crate::sync::lock(&self.stand_down))
+            .finish_non_exhaustive()
+    }
 }
 
 impl StopSignals {
     /// Listens for stop signals on behalf of `rank`'s training loop; an agreement must follow
-    /// the first signal within `timeout`, or the process exits. Stops listening when dropped.
+    /// the first signal within `timeout`, or the process exits. Stops listening (and the
+    /// watchdog stands down) when dropped.
     pub fn arm(rank: usize, timeout: Duration) -> Result<Self> {
-        let state = Arc::new(StopState::default());
+        Self::arm_busy(rank, timeout, None)
+    }
+
+    /// [`StopSignals::arm`] for a training loop over `group`, with its rank and collective
+    /// timeout; the time the group's status shows [`Phase::Checkpointing`] does not count
+    /// toward the timeout, as a checkpoint of a large model may take longer than a step (every
+    /// wait there is bounded by the collectives' timeout but writing the file; a rank that hangs
+    /// writing it is left to the launcher's grace, or the cluster's, after the signal).
+    pub fn arm_for(group: &Arc<ProcessGroup>) -> Result<Self> {
+        let weak = Arc::downgrade(group);
+        let busy = move || {
+            weak.upgrade()
+                .is_some_and(|g| g.status().current().phase == Phase::Checkpointing)
+        };
+        let timeout = group.options().timeout;
+        Self::arm_busy(group.rank(), timeout, Some(Box::new(busy)))
+    }
+
+    fn arm_busy(rank: usize, timeout: Duration, busy: Option<Busy>) -> Result<Self> {
+        let state = Arc::new(StopState {
+            rank,
+            timeout,
+            repeats: Repeats::default(),
+            busy,
+            stand_down: Mutex::new(false),
+            changed: Condvar::new(),
+            watchdog: Mutex::new(None),
+        });
         let listener = state.clone();
-        let subscription = subscribe(move |signal| listener.on_signal(rank, timeout, signal))?;
+        let subscription = subscribe(move |signal| listener.on_signal(signal))?;
         Ok(StopSignals {
             state,
-            _subscription: subscription,
+            subscription: Some(subscription),
         })
     }
 
@@ -230,32 +294,41 @@ impl StopSignals {
     /// Records that every rank agreed to stop: from now on the collectives' timeouts bound the
     /// way out, and the agreement watchdog stands down.
     pub fn agreed(&self) {
-        self.state.agreed.store(true, Ordering::Release);
+        self.state.stand_down();
+    }
+}
+
+impl Drop for StopSignals {
+    /// Stops listening (a stop signal from now on has its default action), and the watchdog
+    /// stands down: the training loop returned, nothing is left to agree on.
+    fn drop(&mut self) {
+        self.subscription.take();
+        self.state.stand_down();
+        // It wakes at once; joined, so that it holds nothing of the training loop's after this.
+        let watchdog = crate::sync::lock(&self.state.watchdog).take();
+        if let Some(watchdog) = watchdog {
+            let _ = watchdog.join();
+        }
     }
 }
 
 impl StopState {
-    fn on_signal(self: &Arc<Self>, rank: usize, timeout: Duration, signal: i32) {
-        let who = format!("rank {rank}");
+    fn on_signal(self: &Arc<Self>, signal: i32) {
+        let who = format!("rank {}", self.rank);
         match self.repeats.arrive(signal) {
             Arrival::First => {
                 log::warn!(
-                    "rank {rank}: received {}: every rank stops at the next step boundary (a \
+                    "{who}: received {}: every rank stops at the next step boundary (a \
                      checkpoint is written if configured); a second signal stops at once",
                     signal_name(signal)
                 );
                 let state = self.clone();
                 let spawned = std::thread::Builder::new()
                     .name("burn-ddp-stop-watchdog".into())
-                    .spawn(move || {
-                        std::thread::sleep(timeout);
-                        if !state.agreed.load(Ordering::Acquire) {
-                            let why = format!("the ranks did not agree to stop within {timeout:?}");
-                            exit_now(&format!("rank {rank}"), signal, &why);
-                        }
-                    });
-                if spawned.is_err() {
-                    exit_now(&who, signal, "cannot start the stop watchdog");
+                    .spawn(move || state.watch(signal));
+                match spawned {
+                    Ok(watchdog) => *crate::sync::lock(&self.watchdog) = Some(watchdog),
+                    Err(_) => exit_now(&who, signal, "cannot start the stop watchdog"),
                 }
             }
             Arrival::Repeat => log::debug!(
@@ -263,6 +336,45 @@ impl StopState {
                 signal_name(signal)
             ),
             Arrival::Second => exit_now(&who, signal, "second stop signal"),
+        }
+    }
+
+    fn stand_down(&self) {
+        *crate::sync::lock(&self.stand_down) = true;
+        self.changed.notify_all();
+    }
+
+    /// The watchdog: exits the process unless it stands down before the ranks spent
+    /// `timeout` (busy time not counted) without agreeing after `signal`.
+    fn watch(&self, signal: i32) {
+        let mut left = self.timeout;
+        let mut since = Instant::now();
+        loop {
+            let wait = match self.busy {
+                Some(_) => left.min(BUSY_POLL),
+                None => left,
+            };
+            let deadline = Instant::now() + wait;
+            let mut down = crate::sync::lock(&self.stand_down);
+            while !*down && Instant::now() < deadline {
+                let rest = deadline.saturating_duration_since(Instant::now());
+                down = crate::sync::wait_timeout(&self.changed, down, rest).0;
+            }
+            if *down {
+                return;
+            }
+            drop(down);
+            let now = Instant::now();
+            if !self.busy.as_ref().is_some_and(|busy| busy()) {
+                left = left.saturating_sub(now - since);
+            }
+            since = now;
+            // Deciding under the lock: a stand-down either came first or waits for the exit.
+            let down = crate::sync::lock(&self.stand_down);
+            if left.is_zero() && !*down {
+                let why = format!("the ranks did not agree to stop within {:?}", self.timeout);
+                exit_now(&format!("rank {}", self.rank), signal, &why);
+            }
         }
     }
 }

@@ -2,7 +2,12 @@
 //! cluster's preemption, Ctrl-C, `kill`) is forwarded to every rank, which then stop together
 //! at a step boundary (see [`crate::signals`]). A second signal, or ranks still running
 //! [`LaunchConfig::stop_grace`](super::LaunchConfig::stop_grace) after the first, get SIGKILL.
+//!
+//! Every signal the launcher sends a rank goes through here, and never reaches a process that
+//! took a finished rank's pid: a rank's pid leaves the list before its process is reaped
+//! ([`Forwarder::wait`]), and signals are sent while holding the list.
 
+use std::process::{Child, ExitStatus};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
@@ -17,7 +22,9 @@ pub(crate) struct Forwarder {
 
 #[derive(Default)]
 struct State {
-    pids: Mutex<Vec<u32>>,
+    /// The pids of the current start's ranks, by local rank; `None` once the rank exited (before
+    /// it is reaped, so that a pid here is never another process's).
+    pids: Mutex<Vec<Option<u32>>>,
     repeats: Repeats,
 }
 
@@ -32,14 +39,33 @@ impl Forwarder {
         })
     }
 
-    /// The ranks signals go to (the processes of the current start). A signal that arrived
-    /// while they were being started is passed on to them now.
+    /// The ranks signals go to (the processes of the current start, none of them waited for
+    /// yet). A signal that arrived while they were being started is passed on to them now.
     pub(crate) fn set_ranks(&self, pids: &[u32]) {
-        *crate::sync::lock(&self.state.pids) = pids.to_vec();
+        let mut list = crate::sync::lock(&self.state.pids);
+        *list = pids.iter().copied().map(Some).collect();
         if let Some(signal) = self.state.repeats.first() {
-            for pid in pids {
+            for pid in list.iter().flatten() {
                 super::kill_pid(*pid, Some(signal));
             }
+        }
+    }
+
+    /// Waits for local rank `local` (`child`, whose pid [`Forwarder::set_ranks`] was given) to
+    /// exit, takes its pid off the list, and only then reaps it.
+    pub(crate) fn wait(&self, local: usize, child: &mut Child) -> std::io::Result<ExitStatus> {
+        if exited_unreaped(child.id()) {
+            self.forget(local);
+        }
+        let status = child.wait();
+        self.forget(local);
+        status
+    }
+
+    /// Takes local rank `local` off the list.
+    fn forget(&self, local: usize) {
+        if let Some(slot) = crate::sync::lock(&self.state.pids).get_mut(local) {
+            *slot = None;
         }
     }
 
@@ -48,17 +74,19 @@ impl Forwarder {
         Some((self.state.repeats.first()?, self.state.repeats.first_at()?))
     }
 
-    /// Kills every rank still running (the grace after the first signal is over).
+    /// Kills every rank still running.
     pub(crate) fn kill_all(&self) {
-        for pid in self.state.pids() {
-            super::kill_pid(pid, None);
-        }
+        self.state.signal_all(None);
     }
 }
 
 impl State {
-    fn pids(&self) -> Vec<u32> {
-        crate::sync::lock(&self.pids).clone()
+    /// Sends `signal` (SIGKILL if `None`) to every rank not yet reaped.
+    fn signal_all(&self, signal: Option<i32>) {
+        let list = crate::sync::lock(&self.pids);
+        for pid in list.iter().flatten() {
+            super::kill_pid(*pid, signal);
+        }
     }
 
     fn on_signal(&self, signal: i32) {
@@ -69,17 +97,57 @@ impl State {
                     "[burn-ddp] {name}: forwarded to the ranks; they stop at the next step \
                      boundary (checkpoint if configured); a second signal kills them"
                 );
-                for pid in self.pids() {
-                    super::kill_pid(pid, Some(signal));
-                }
+                self.signal_all(Some(signal));
             }
             Arrival::Repeat => {}
             Arrival::Second => {
                 say!("[burn-ddp] {name} again: killing the ranks");
-                for pid in self.pids() {
-                    super::kill_pid(pid, None);
-                }
+                self.signal_all(None);
             }
         }
     }
+}
+
+/// Blocks until the child `pid` exits and returns true, leaving it unreaped (`waitid` with
+/// `WNOWAIT`): its pid stays its own until [`Child::wait`] reaps it. False where that cannot
+/// be done: the pid then leaves the list only as the child is reaped, and a signal sent at that
+/// moment could reach a process that took the pid at once.
+#[cfg(all(
+    unix,
+    not(any(
+        target_os = "cygwin",
+        target_os = "horizon",
+        target_os = "openbsd",
+        target_os = "redox"
+    ))
+))]
+fn exited_unreaped(pid: u32) -> bool {
+    use rustix::process::{Pid, WaitId, WaitIdOptions, waitid};
+    let Some(pid) = Pid::from_raw(pid as i32) else {
+        return false;
+    };
+    let options = WaitIdOptions::EXITED | WaitIdOptions::NOWAIT;
+    loop {
+        match waitid(WaitId::Pid(pid), options) {
+            Err(rustix::io::Errno::INTR) => continue,
+            Err(e) => {
+                log::debug!("waiting for process {pid:?} without reaping it: {e}");
+                return false;
+            }
+            Ok(_) => return true,
+        }
+    }
+}
+
+#[cfg(not(all(
+    unix,
+    not(any(
+        target_os = "cygwin",
+        target_os = "horizon",
+        target_os = "openbsd",
+        target_os = "redox"
+    ))
+)))]
+fn exited_unreaped(_pid: u32) -> bool {
+    false
 }

@@ -7,9 +7,9 @@ use std::process::Child;
 use std::sync::mpsc::{self, Receiver, RecvTimeoutError};
 use std::time::{Duration, Instant};
 
+use super::LaunchConfig;
 use super::exits::{Exit, Exits};
 use super::forward::Forwarder;
-use super::{LaunchConfig, kill_pid};
 use crate::error::{DdpError, Result};
 use crate::failure::{FAILURE_KEY, FailureRecord};
 use crate::status::{RankStatus, status_key};
@@ -49,29 +49,36 @@ impl<'a> Supervisor<'a> {
         let pids: Vec<u32> = children.iter().map(Child::id).collect();
         self.forwarder.set_ranks(&pids);
         let (tx, rx) = mpsc::channel();
-        for (i, mut child) in children.into_iter().enumerate() {
-            let tx = tx.clone();
-            std::thread::spawn(move || {
-                let _ = tx.send((i, child.wait()));
-            });
-        }
-        drop(tx);
-        let mut exits = Exits::new(pids.len());
+        let result = std::thread::scope(|s| {
+            for (i, mut child) in children.into_iter().enumerate() {
+                let (tx, forwarder) = (tx.clone(), self.forwarder);
+                s.spawn(move || {
+                    let _ = tx.send((i, forwarder.wait(i, &mut child)));
+                });
+            }
+            drop(tx);
+            self.follow(pids.len(), &rx)
+        });
+        self.forwarder.set_ranks(&[]);
+        result
+    }
+
+    /// Follows the exits of `n` ranks as their waiters report them (see [`Supervisor::watch`]).
+    fn follow(&self, n: usize, rx: &Receiver<Exit>) -> Result<()> {
+        let mut exits = Exits::new(n);
         let mut result = Ok(());
         let mut killed = false;
-        while let Some(exit) = self.next_exit(&rx, &mut killed) {
+        while let Some(exit) = self.next_exit(rx, &mut killed) {
             let i = exit.0;
             // While the ranks stop for a signal, their exits are expected: no rank is blamed.
             if !exits.record(exit) || result.is_err() || self.forwarder.received().is_some() {
                 continue;
             }
-            let named = self.culprit(i, &mut exits, &rx);
+            let named = self.culprit(i, &mut exits, rx);
             result = Err(self.failed(named, &exits));
-            for (pid, _) in pids.iter().zip(&exits.running).filter(|(_, r)| **r) {
-                kill_pid(*pid, None);
-            }
+            // Every rank still running (the others were taken off the forwarder's list).
+            self.forwarder.kill_all();
         }
-        self.forwarder.set_ranks(&[]);
         match self.forwarder.received() {
             Some((signal, _)) => exits.stopped(signal, self.first),
             None => result,

@@ -75,6 +75,8 @@ pub(crate) struct Feeding {
 /// The custom strategy `DdpLearner` installs. Errors of collectives stop training on every
 /// rank and are handed back through [`DdpStrategy::failure`].
 pub(crate) struct DdpStrategy {
+    /// First, so dropped first: its watchdog stands down before the group goes.
+    signals: StopSignals,
     group: Arc<ProcessGroup>,
     device: Device,
     reducer: GradientReducer,
@@ -84,7 +86,6 @@ pub(crate) struct DdpStrategy {
     uneven: bool,
     checkpoints: Option<CheckpointConfig>,
     failure: Arc<Mutex<Option<DdpError>>>,
-    signals: StopSignals,
     /// This rank's Chrome trace, if profiling.
     trace: Option<Arc<Trace>>,
     /// Where rank 0 records each step's figures for the learner's metrics.
@@ -103,7 +104,7 @@ impl DdpStrategy {
         (telemetry, trace): (Telemetry, Option<Arc<Trace>>),
     ) -> Result<Self> {
         Ok(DdpStrategy {
-            signals: StopSignals::arm(group.rank(), group.options().timeout)?,
+            signals: StopSignals::arm_for(&group)?,
             group,
             device,
             reducer,

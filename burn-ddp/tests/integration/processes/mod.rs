@@ -5,8 +5,11 @@
 //!   mid-collective;
 //! - `training`: ranks of a DdpLearner job that die (before joining, in a forward pass, while
 //!   writing a checkpoint) are named by the others;
-//! - `launcher`: `burn_ddp::launch` stops, restarts and spans nodes with these processes.
+//! - `launcher`: `burn_ddp::launch` stops, restarts and spans nodes with these processes;
+//! - `forwarding`: ranks of the launcher binary get its stop signals only while they run, and
+//!   the open-file limit it was started with.
 
+mod forwarding;
 mod launcher;
 mod ranks;
 mod training;
@@ -36,6 +39,7 @@ pub(crate) const COLLECTIVE_FAILED: i32 = 3;
 #[ignore = "entry point of the rank processes the other tests start"]
 fn rank_process() {
     let scenario = std::env::var("BDDP_TEST_SCENARIO").unwrap_or_default();
+    forwarding::before_joining(&scenario);
     if std::env::var("BDDP_DIE_BEFORE_JOIN").is_ok() {
         eprintln!("DYING before joining");
         std::process::exit(9);
