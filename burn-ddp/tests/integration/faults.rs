@@ -1,4 +1,6 @@
-//! Failures seen by ranks as threads: a rank that leaves, stalls, disagrees, or never joins.
+//! Failures seen by ranks as threads: a rank that leaves, stalls, disagrees, or never joins;
+//! and, with ranks as processes, ranks that exit without leaving once their part is done, which
+//! is no failure of the operation the others are still in.
 
 use std::time::{Duration, Instant};
 
@@ -230,4 +232,156 @@ fn a_rank_number_already_taken_is_an_error_naming_it() {
         let e = first.join().unwrap().unwrap_err().to_string();
         assert!(e.contains("ranks 0, 2 did not join"), "{e}");
     });
+}
+
+/// The rank processes of [`ranks_that_exit_after_a_collective_fail_no_one`] run this entry.
+const EXIT_ENTRY: &str = "faults::rank_that_may_exit_after_a_collective";
+
+/// Entry point of those rank processes (does nothing useful when run directly): joins the
+/// group the environment describes (`BDDP_HOSTS` simulated hosts sharing memory, or TCP),
+/// runs `BDDP_OP`, then either exits at once without leaving the group (`BDDP_EXITS`), or
+/// tries a barrier, which must fail at once naming a rank that exited.
+#[test]
+#[ignore = "entry point of the rank processes ranks_that_exit_after_a_collective_fail_no_one starts"]
+fn rank_that_may_exit_after_a_collective() {
+    let var = |k: &str| std::env::var(k).unwrap_or_default();
+    let (rank, world): (usize, usize) =
+        (var("RANK").parse().unwrap(), var("WORLD").parse().unwrap());
+    let hosts: Option<usize> = var("BDDP_HOSTS").parse().ok();
+    let opts = burn_ddp::GroupOptions {
+        transport: if hosts.is_some() {
+            burn_ddp::Transport::Shm
+        } else {
+            burn_ddp::Transport::Tcp
+        },
+        host_id: hosts.map(|h| format!("simulated-host-{}", rank % h)),
+        ..any_transport(20)
+    };
+    let stop = |what: String| -> ! {
+        eprintln!("RANK_ERROR: {what}");
+        std::process::exit(3)
+    };
+    let g = ProcessGroup::builder(rank, world)
+        .master_addr("127.0.0.1")
+        .master_port(var("MASTER_PORT").parse().unwrap())
+        .host_store(false)
+        .options(opts)
+        .build()
+        .unwrap_or_else(|e| stop(format!("joining: {e}")));
+    let done = match var("BDDP_OP").as_str() {
+        "barrier" => g.barrier().wait(),
+        "all_reduce" => g
+            .all_reduce(vec![1.0f32; 1000], ReduceOp::Sum)
+            .wait()
+            .map(drop),
+        "all_gather" => g.all_gather(vec![rank as u8; 100]).wait().map(drop),
+        _ => g.broadcast(vec![rank as u8; 100], 1).wait().map(drop),
+    };
+    if let Err(e) = done {
+        stop(e.to_string());
+    }
+    if var("BDDP_EXITS") == "1" {
+        // As a program that ends with `process::exit`: no goodbye, the sockets just close.
+        std::process::exit(0);
+    }
+    let start = Instant::now();
+    match g.barrier().wait() {
+        Ok(()) => stop("a barrier without the ranks that exited passed".into()),
+        Err(e) if start.elapsed() > Duration::from_secs(5) => stop(format!(
+            "the next barrier failed after {:?}: {e}",
+            start.elapsed()
+        )),
+        Err(e) => eprintln!("NEXT_ERROR after {:?}: {e}", start.elapsed()),
+    }
+}
+
+/// Runs one job of [`rank_that_may_exit_after_a_collective`]: `world` rank processes (on
+/// `hosts` simulated hosts, or TCP), `exits` leave without a goodbye right after `op`, and
+/// `holder` holds back the last chunk of each schedule for 500 ms, so that its successor still
+/// waits for it when they leave. Returns what went wrong, a line per rank that did not end
+/// well (every rank must end its collective well; those that stay, fail their next at once).
+fn exit_after_collective_job(
+    world: usize,
+    hosts: Option<usize>,
+    op: &str,
+    holder: usize,
+    exits: &[usize],
+) -> Vec<String> {
+    let store = burn_ddp::store::StoreServer::bind("127.0.0.1:0").unwrap();
+    let port = store.local_addr().port().to_string();
+    let mut ranks = crate::processes::Ranks(
+        (0..world)
+            .map(|rank| {
+                let mut cmd = crate::processes::rank_entry_command(EXIT_ENTRY);
+                cmd.env("RANK", rank.to_string())
+                    .env("WORLD", world.to_string())
+                    .env("MASTER_PORT", &port)
+                    .env("BDDP_OP", op)
+                    .env("BDDP_EXITS", if exits.contains(&rank) { "1" } else { "0" })
+                    .env(
+                        "BDDP_HOSTS",
+                        hosts.map(|h| h.to_string()).unwrap_or_default(),
+                    )
+                    .stdin(std::process::Stdio::null())
+                    .stdout(std::process::Stdio::null())
+                    .stderr(std::process::Stdio::piped());
+                if rank == holder {
+                    cmd.env("BURN_DDP_TEST_HOLD_LAST_SEND_MS", "500");
+                }
+                cmd.spawn().unwrap()
+            })
+            .collect(),
+    );
+    let deadline = Instant::now() + Duration::from_secs(50);
+    let mut failed = Vec::new();
+    for (rank, child) in ranks.0.iter_mut().enumerate() {
+        let (code, err) = crate::processes::finish(child, deadline);
+        let what = format!("{op}, world {world}, hosts {hosts:?}, rank {rank}");
+        if code != Some(0) {
+            failed.push(format!("{what} exited with {code:?}: {err}"));
+            continue;
+        }
+        // The next collective fails at once, naming a rank that exited.
+        let line = err.lines().find(|l| l.starts_with("NEXT_ERROR"));
+        if !exits.contains(&rank) && !line.is_some_and(|l| l.contains("closed its connection")) {
+            failed.push(format!(
+                "{what}: its next barrier did not name a rank that exited: {err}"
+            ));
+        }
+    }
+    failed
+}
+
+/// Ranks that finish a collective and exit without leaving the group (`process::exit`: no
+/// goodbye), while another rank still waits for its last chunk from a neighbour: nobody fails,
+/// whether the rank that exited is the waiting rank's successor or no neighbour of it; on TCP
+/// (worlds 3 and 4, barrier, all-reduce, all-gather, broadcast) and in the ring across hosts of
+/// a hierarchical all-reduce (3 simulated hosts of 2 ranks). Rank 0 waits for `world - 1`
+/// (hierarchical: for rank 2, its predecessor across hosts), which holds back its last chunk.
+#[test]
+fn ranks_that_exit_after_a_collective_fail_no_one() {
+    let mut failed = Vec::new();
+    for world in [3, 4] {
+        // Broadcast from rank 1: the chain 1 -> 2 -> ... -> 0 ends at rank 0.
+        let exits: Vec<usize> = (1..world - 1).collect();
+        for op in ["barrier", "all_reduce", "all_gather", "broadcast"] {
+            failed.extend(exit_after_collective_job(
+                world,
+                None,
+                op,
+                world - 1,
+                &exits,
+            ));
+        }
+    }
+    // Hosts {0, 3}, {1, 4}, {2, 5}; rings across hosts 0 -> 1 -> 2 and 3 -> 4 -> 5. With rank 2
+    // holding back, host {1, 4} ends the all-reduce first.
+    failed.extend(exit_after_collective_job(
+        6,
+        Some(3),
+        "all_reduce",
+        2,
+        &[1, 4],
+    ));
+    assert!(failed.is_empty(), "{}", failed.join("\n"));
 }

@@ -1,8 +1,9 @@
 //! The socket engine of the TCP transport: it owns the connections to the peers and runs one
 //! [`Schedule`] at a time over them, with non-blocking sockets polled by mio, so a rank sends to
 //! its successor and receives from its predecessor at the same time. It also reads the control
-//! frames of peers that send it no data (a goodbye, or the close of a dead peer), says goodbye
-//! when the group is dropped, and closes every connection when the group stops.
+//! frames of peers that send it no data (a goodbye, or a close without one: a failure only
+//! where this rank still needs that peer, see `faults`), says goodbye when the group is
+//! dropped, and closes every connection when the group stops.
 //!
 //! The engine knows nothing of collectives (the ring algorithms build the schedules) nor of the
 //! group's failure record: a failure is reported as a [`PeerFailure`] naming the peer at fault.
@@ -50,8 +51,13 @@ struct Fault {
 }
 
 mod faults;
+#[cfg(feature = "test-support")]
+mod hold;
 
-use faults::{check_control, check_header, closed_message, connection_failed, send_failed};
+use faults::{
+    check_control, check_header, check_woken, closed_before, closed_message, connection_failed,
+    send_failed, stalled,
+};
 
 type Faulty<T = ()> = std::result::Result<T, Fault>;
 
@@ -64,12 +70,17 @@ struct Cursor {
     recvd: usize,
     recv_off: usize,
     header: [u8; HEADER_LEN],
+    /// The last send was held back (tests, see `hold`).
+    #[cfg(feature = "test-support")]
+    held: bool,
 }
 
 struct Peer {
     stream: TcpStream,
     /// The peer said goodbye: its close is not a failure.
     departed: bool,
+    /// The peer closed its connection without a goodbye: what happened, in words.
+    closed: Option<String>,
 }
 
 /// One rank's connections and the loop that moves a schedule's bytes over them.
@@ -122,6 +133,7 @@ impl Engine {
             peers.push(Some(Peer {
                 stream,
                 departed: false,
+                closed: None,
             }));
         }
         Ok(Engine {
@@ -187,6 +199,7 @@ impl Engine {
         ring: Neighbours,
         reduce: &mut ReduceFn<'_>,
     ) -> Faulty {
+        closed_before(&self.peers)?;
         let longest = (sched.recvs.iter())
             .filter(|(_, a)| *a != Action::Copy)
             .map(|(r, _)| r.len())
@@ -213,9 +226,10 @@ impl Engine {
                 continue;
             }
             if waited >= self.timeout {
-                return Err(self.stalled(&at, sched, ring));
+                return Err(stalled((self.rank, self.timeout), &at, sched, ring));
             }
-            self.wait_for_io(self.timeout - waited, ring.prev)?;
+            let sending = at.sent < sched.sends.len();
+            self.wait_for_io(self.timeout - waited, ring, sending)?;
         }
     }
 
@@ -236,6 +250,11 @@ impl Engine {
             .stream;
         let mut progressed = false;
         while at.sent < sched.sends.len() && sched.can_send(at.sent, at.recvd) {
+            #[cfg(feature = "test-support")]
+            if at.sent + 1 == sched.sends.len() && !at.held {
+                at.held = true;
+                std::thread::sleep(hold::last_send_hold());
+            }
             let payload = &buf[sched.sends[at.sent].clone()];
             let total = HEADER_LEN + payload.len();
             let res = if at.send_off < HEADER_LEN {
@@ -325,37 +344,12 @@ impl Engine {
         Ok(progressed)
     }
 
-    /// The failure of a schedule that made no progress for the whole timeout, naming the peer
-    /// it waited for.
-    fn stalled(
-        &self,
-        at: &Cursor,
-        sched: &Schedule,
-        Neighbours { next, prev }: Neighbours,
-    ) -> Fault {
-        let (peer, what) = if at.recvd < sched.recvs.len() {
-            (prev, "to receive from")
-        } else {
-            (next, "to send to")
-        };
-        Fault {
-            peer,
-            detail: format!(
-                "rank {} waited {:?} {what} rank {peer} without progress (chunk {}/{} received, \
-                 {}/{} sent)",
-                self.rank,
-                self.timeout,
-                at.recvd,
-                sched.recvs.len(),
-                at.sent,
-                sched.sends.len()
-            ),
-        }
-    }
-
     /// Sleeps in the poller until a socket is ready or `left` passes; reads the control frames
-    /// of peers other than `prev` that woke it (a goodbye, or the close of a dead peer).
-    fn wait_for_io(&mut self, left: Duration, prev: usize) -> Faulty {
+    /// of peers other than `ring.prev` that woke it: a goodbye, or a close without one, which
+    /// fails the schedule if the peer is `ring.next` and this rank is still `sending` to it, and
+    /// is recorded otherwise (see `faults`).
+    fn wait_for_io(&mut self, left: Duration, ring: Neighbours, sending: bool) -> Faulty {
+        let prev = ring.prev;
         match self.poll.poll(&mut self.events, Some(left)) {
             Ok(()) => {}
             Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
@@ -368,7 +362,12 @@ impl Engine {
         let woken: Vec<usize> = self.events.iter().map(|e| e.token().0).collect();
         for peer in woken {
             if peer != prev {
-                check_control(&mut self.peers, peer, senders)?;
+                check_woken(
+                    &mut self.peers,
+                    peer,
+                    senders,
+                    (self.rank, ring.next, sending),
+                )?;
             }
         }
         Ok(())
@@ -381,8 +380,11 @@ impl Engine {
         if let Err(fault) = check_control(&mut self.peers, peer, senders) {
             return Some(fault.detail);
         }
-        let left = self.peers.get(peer)?.as_ref()?.departed;
-        left.then(|| {
+        let p = self.peers.get(peer)?.as_ref()?;
+        if let Some(detail) = &p.closed {
+            return Some(detail.clone());
+        }
+        p.departed.then(|| {
             format!("rank {peer} left the group (dropped its process group) while this rank waits for it")
         })
     }
