@@ -218,7 +218,7 @@ impl ProcessGroupBuilder {
             vec![None]
         };
         let status = StatusBoard::start(rank, world_size, store.clone());
-        let transport = self.host_transport(streams, &store, deadline)?;
+        let transport = self.host_transport(streams, &store, secret, deadline)?;
         let in_use = if transport.uses_shm() {
             Transport::Shm
         } else {
@@ -343,6 +343,7 @@ impl ProcessGroupBuilder {
         &self,
         streams: Vec<Option<std::net::TcpStream>>,
         store: &Store,
+        secret: Option<&JobSecret>,
         deadline: Instant,
     ) -> Result<HostTransport> {
         let (rank, world_size, options) = (self.rank, self.world_size, &self.options);
@@ -367,6 +368,7 @@ impl ProcessGroupBuilder {
                 timeout: options.timeout,
                 spin: options.spin,
                 host: options.host_id.clone(),
+                secret: secret.cloned(),
             };
             if let Some(setup) = negotiate(&request, store, deadline)? {
                 transport.use_shm(setup);

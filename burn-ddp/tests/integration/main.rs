@@ -17,6 +17,7 @@ mod processes;
 mod reduce_scatter;
 mod security;
 mod shm;
+mod shm_forged;
 mod soak;
 mod store;
 mod syncbn;

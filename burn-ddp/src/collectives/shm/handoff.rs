@@ -6,6 +6,14 @@
 //! system, so nothing of them outlives the processes that use them, however those end. A peer
 //! gets the descriptor only if it runs as the creator's user (`SO_PEERCRED`) and first sends the
 //! random token the creator published in the job's store, so only ranks of the job receive it.
+//!
+//! The taker trusts the published record no more than the store it came from (torchrun's store
+//! admits anyone who reaches it): when the group has a job secret, the record carries an
+//! HMAC-SHA256 tag of the secret over the socket's name, the token and the host's index, which
+//! the taker verifies before it connects; and whatever the record, the taker checks the
+//! offering socket's peer (`SO_PEERCRED`) right after connecting, before it sends the token or
+//! reads a byte: it must run as this user and be the process the socket's name claims. Its
+//! connect waits for room in the socket's queue for a bounded time only.
 
 use std::io::{self, IoSlice, IoSliceMut, Read, Write};
 use std::mem::MaybeUninit;
@@ -18,9 +26,11 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use rustix::net::{
-    RecvAncillaryBuffer, RecvAncillaryMessage, RecvFlags, SendAncillaryBuffer,
-    SendAncillaryMessage, SendFlags,
+    AddressFamily, RecvAncillaryBuffer, RecvAncillaryMessage, RecvFlags, SendAncillaryBuffer,
+    SendAncillaryMessage, SendFlags, SocketAddrUnix, SocketFlags, SocketType,
 };
+
+use crate::secret::JobSecret;
 
 /// Bytes of the token a peer must send.
 const TOKEN: usize = 16;
@@ -29,6 +39,35 @@ const TOKEN: usize = 16;
 const PEER_WINDOW: Duration = Duration::from_secs(2);
 /// How long the server sleeps when no peer is waiting to connect.
 const IDLE: Duration = Duration::from_millis(1);
+/// First field of a record's tag: what it is, and its version.
+const LABEL: &[u8] = b"burn-ddp shm segment v1";
+
+/// What authenticates a segment's record: the job secret, and the index of the host whose
+/// segment it is (so a record made for one host counts for no other).
+#[derive(Clone, Copy)]
+pub(crate) struct Seal<'a> {
+    /// The group's job secret, the tag's key.
+    pub secret: &'a JobSecret,
+    /// The host's index among the group's hosts (its segment's key in the store).
+    pub host: usize,
+}
+
+impl Seal<'_> {
+    fn fields<'f>(host: &'f [u8; 8], name: &'f str, token: &'f [u8]) -> [&'f [u8]; 3] {
+        [host, name.as_bytes(), token]
+    }
+
+    fn tag(&self, name: &str, token: &[u8]) -> String {
+        let host = (self.host as u64).to_le_bytes();
+        hex(&self.secret.tag(LABEL, &Self::fields(&host, name, token)))
+    }
+
+    fn verify(&self, name: &str, token: &[u8], tag: &[u8]) -> bool {
+        let host = (self.host as u64).to_le_bytes();
+        self.secret
+            .verify(LABEL, &Self::fields(&host, name, token), tag)
+    }
+}
 
 /// A segment's descriptor on offer to the host's other ranks, served by a thread of its own
 /// until every peer took it, the deadline passed or the offer is dropped (which closes the
@@ -40,13 +79,15 @@ pub(crate) struct Offer {
 
 impl Offer {
     /// Offers `fd` to up to `peers` connections until `deadline`. Returns the offer and the
-    /// record a peer passes to [`take`] (the socket's name and the token), to be published in
-    /// the store. `tag` goes into the socket's name, for whoever lists the host's sockets.
+    /// record a peer passes to [`take`] (the socket's name, the token and, with a `seal`, their
+    /// tag), to be published in the store. `tag` goes into the socket's name, for whoever lists
+    /// the host's sockets.
     pub(crate) fn start(
         fd: OwnedFd,
         tag: &str,
         peers: usize,
         deadline: Instant,
+        seal: Option<Seal<'_>>,
     ) -> io::Result<(Offer, String)> {
         let token: [u8; TOKEN] = random()?;
         let unique: [u8; 8] = random()?;
@@ -64,7 +105,11 @@ impl Offer {
             stop,
             server: Some(server),
         };
-        Ok((offer, format!("{name} {}", hex(&token))))
+        let record = match seal {
+            Some(seal) => format!("{name} {} {}", hex(&token), seal.tag(&name, &token)),
+            None => format!("{name} {}", hex(&token)),
+        };
+        Ok((offer, record))
     }
 }
 
@@ -148,12 +193,38 @@ fn hand_over(
     Ok(())
 }
 
-/// Takes the descriptor offered under `record` (from [`Offer::start`]), by `deadline`.
-pub(crate) fn take(record: &str, deadline: Instant) -> io::Result<OwnedFd> {
+/// Takes the descriptor offered under `record` (from [`Offer::start`]), by `deadline`. With a
+/// `seal`, the record must carry its tag, checked before connecting; the socket must be served
+/// by the process its name claims, running as this user, checked before the token is sent.
+pub(crate) fn take(record: &str, seal: Option<Seal<'_>>, deadline: Instant) -> io::Result<OwnedFd> {
     let bad = || io::Error::other(format!("a bad segment record {record:?}"));
-    let (name, token) = record.split_once(' ').ok_or_else(bad)?;
+    let mut fields = record.split(' ');
+    let (name, token) = (
+        fields.next().ok_or_else(bad)?,
+        fields.next().ok_or_else(bad)?,
+    );
     let token = unhex(token).filter(|t| t.len() == TOKEN).ok_or_else(bad)?;
-    let conn = UnixStream::connect_addr(&SocketAddr::from_abstract_name(name.as_bytes())?)?;
+    let tag = fields
+        .next()
+        .map(|t| unhex(t).ok_or_else(bad))
+        .transpose()?;
+    if fields.next().is_some() {
+        return Err(bad());
+    }
+    if let Some(seal) = seal
+        && !tag.is_some_and(|tag| seal.verify(name, &token, &tag))
+    {
+        return Err(io::Error::other(format!(
+            "refused the segment record naming socket {name:?}: it does not carry a valid tag \
+             of the job secret (it was not written by a rank of this job)"
+        )));
+    }
+    let claimed = claimed_pid(name).ok_or_else(bad)?;
+    let window = deadline
+        .saturating_duration_since(Instant::now())
+        .min(PEER_WINDOW);
+    let conn = connect(name, window)?;
+    check_peer(&conn, name, claimed)?;
     bound(&conn, deadline)?;
     (&conn).write_all(&token)?;
     let mut space = [MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(1))];
@@ -176,6 +247,59 @@ pub(crate) fn take(record: &str, deadline: Instant) -> io::Result<OwnedFd> {
             "the segment's creator closed the connection without sending it",
         )),
     }
+}
+
+/// The process id a socket's name claims (`burn-ddp-{tag}-{pid}-{hex}`, see [`Offer::start`]).
+fn claimed_pid(name: &str) -> Option<i32> {
+    let mut parts = name.rsplitn(3, '-');
+    let (_unique, pid, rest) = (parts.next()?, parts.next()?, parts.next()?);
+    rest.starts_with("burn-ddp-")
+        .then(|| pid.parse().ok())
+        .flatten()
+        .filter(|&p: &i32| p > 0)
+}
+
+/// Connects to the abstract socket `name`, waiting at most `window` for room in its queue: a
+/// connect to a socket whose queue is full blocks as long as the socket's send timeout (Linux,
+/// `unix_stream_connect`), then fails with `EAGAIN`.
+fn connect(name: &str, window: Duration) -> io::Result<UnixStream> {
+    let fd = rustix::net::socket_with(
+        AddressFamily::UNIX,
+        SocketType::STREAM,
+        SocketFlags::CLOEXEC,
+        None,
+    )?;
+    let window = window.max(Duration::from_millis(1));
+    rustix::net::sockopt::set_socket_timeout(
+        &fd,
+        rustix::net::sockopt::Timeout::Send,
+        Some(window),
+    )?;
+    match rustix::net::connect(&fd, &SocketAddrUnix::new_abstract_name(name.as_bytes())?) {
+        Ok(()) => Ok(UnixStream::from(fd)),
+        Err(rustix::io::Errno::AGAIN) => Err(io::Error::new(
+            io::ErrorKind::TimedOut,
+            format!("the queue of the segment's socket {name:?} stayed full for {window:?}"),
+        )),
+        Err(e) => Err(e.into()),
+    }
+}
+
+/// Refuses `conn` unless its peer (the process that listens on it) runs as this user and is
+/// the process `claimed` that the socket's name `name` claims.
+fn check_peer(conn: &UnixStream, name: &str, claimed: i32) -> io::Result<()> {
+    let peer = rustix::net::sockopt::socket_peercred(conn)?;
+    let me = rustix::process::geteuid();
+    let pid = peer.pid.as_raw_nonzero().get();
+    if peer.uid != me || pid != claimed {
+        return Err(io::Error::other(format!(
+            "refused the segment's socket {name:?}: it is served by process {pid} of user {}, \
+             expected process {claimed} of user {} (this job's user); no token sent",
+            peer.uid.as_raw(),
+            me.as_raw()
+        )));
+    }
+    Ok(())
 }
 
 /// Bounds each read and write on `conn` by [`PEER_WINDOW`] and `deadline`.
@@ -207,45 +331,4 @@ fn unhex(s: &str) -> Option<Vec<u8>> {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn soon() -> Instant {
-        Instant::now() + Duration::from_secs(10)
-    }
-
-    #[test]
-    fn peers_with_the_token_get_the_descriptor_and_others_do_not() {
-        let file = rustix::fs::memfd_create("burn-ddp-test", rustix::fs::MemfdFlags::CLOEXEC)
-            .expect("memfd");
-        rustix::fs::ftruncate(&file, 4096).unwrap();
-        let inode = rustix::fs::fstat(&file).unwrap().st_ino;
-        let (offer, record) = Offer::start(file, "unit", 2, soon()).unwrap();
-        // A wrong token gets nothing, and does not use up a peer's turn.
-        let (name, token) = record.split_once(' ').unwrap();
-        let forged = format!("{name} {}", "0".repeat(token.len()));
-        assert!(take(&forged, soon()).is_err());
-        // A malformed record is an error, not a panic.
-        assert!(take("nonsense", soon()).is_err());
-        assert!(take(&format!("{name} zz"), soon()).is_err());
-        for _ in 0..2 {
-            let fd = take(&record, soon()).expect("take");
-            assert_eq!(
-                rustix::fs::fstat(&fd).unwrap().st_ino,
-                inode,
-                "the same file"
-            );
-        }
-        drop(offer);
-        // The socket's name went with the offer.
-        assert!(take(&record, soon()).is_err());
-    }
-
-    #[test]
-    fn hex_round_trips() {
-        let bytes = [0u8, 1, 0xab, 0xff];
-        assert_eq!(unhex(&hex(&bytes)).unwrap(), bytes);
-        assert_eq!(unhex("abc"), None);
-        assert_eq!(unhex("é0"), None);
-    }
-}
+mod tests;

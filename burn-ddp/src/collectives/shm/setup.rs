@@ -7,10 +7,12 @@
 //! more) on each: then all-reduce is hierarchical (shared memory within each host, TCP between
 //! the hosts) and the other collectives run over TCP. On each host its first rank creates the
 //! segment (an anonymous, sealed memory file) and offers its descriptor over a Unix socket whose
-//! name and token it publishes; the others take it, map it and report, and the creator closes
-//! the offer once every rank has reported. Only when every rank mapped its segment
-//! do collectives use them; otherwise the group stays on TCP (or fails, when shared memory was
-//! demanded).
+//! name and token it publishes (with a tag of the job secret, when the group has one: the store
+//! may be torchrun's, writable by anyone who reaches it); the others verify the record and the
+//! socket's owner, take it, map it and report, and the creator closes the offer once every rank
+//! has reported. Only when every rank mapped its segment do collectives use them; otherwise
+//! (a record or socket refused included) the group stays on TCP (or fails, when shared memory
+//! was demanded).
 
 use std::time::{Duration, Instant};
 
@@ -20,6 +22,7 @@ use super::mapping::Mapping;
 use super::segment::{self, Layout};
 use crate::collectives::{TRANSPORT_VAR, Transport};
 use crate::error::{DdpError, Result};
+use crate::secret::JobSecret;
 use crate::store::{Store, keys};
 
 /// What a rank asks of the rendezvous.
@@ -33,6 +36,8 @@ pub(crate) struct ShmRequest {
     pub spin: Duration,
     /// This rank's host identity, when the user set one ([`crate::GroupOptions::host_id`]).
     pub host: Option<String>,
+    /// The group's job secret, which authenticates the segment records in the store.
+    pub secret: Option<JobSecret>,
 }
 
 /// What the rendezvous decided for shared memory: this rank's channel on its host, and the
@@ -211,10 +216,12 @@ fn map_segment(
 ) -> Result<std::result::Result<Mapping, String>> {
     let rank = req.rank;
     let key = keys::shm_segment(host);
+    let seal = (req.secret.as_ref()).map(|secret| handoff::Seal { secret, host });
     let mut offer = None;
     let mapped = if local == 0 {
         let made = segment::create(len).and_then(|(fd, map)| {
-            let (o, record) = handoff::Offer::start(fd, &req.port.to_string(), peers, deadline)?;
+            let tag = req.port.to_string();
+            let (o, record) = handoff::Offer::start(fd, &tag, peers, deadline, seal)?;
             Ok((o, record, map))
         });
         match made {
@@ -234,7 +241,7 @@ fn map_segment(
         let raw = store.get_timeout(&key, left)?;
         let raw = String::from_utf8_lossy(&raw).to_string();
         match raw.split_once(' ') {
-            Some(("ok", record)) => handoff::take(record, deadline)
+            Some(("ok", record)) => handoff::take(record, seal, deadline)
                 .and_then(|fd| segment::open(&fd, len))
                 .map_err(|e| format!("rank {rank} could not map its host's segment: {e}")),
             Some((_, reason)) => Err(reason.to_string()),
