@@ -52,7 +52,9 @@ enum Client {
 }
 
 /// A client connection to a store: a [`StoreServer`] or a PyTorch c10d `TCPStore`. Safe to
-/// share between threads (requests are serialised on one connection).
+/// share between threads: requests are serialised on one connection, except that on
+/// burn-ddp's own store a request that may wait (a wait, a get with a timeout) does not hold up
+/// the others (the client opens up to three more connections while such requests are pending).
 pub struct Store {
     addr: String,
     local: SocketAddr,
@@ -319,6 +321,18 @@ impl Store {
                 }
                 other => other,
             })
+    }
+
+    /// Not API (feature `test-support`): the connection of this admitted client, for tests
+    /// that speak the store's wire protocol themselves, as a hostile client would; `None` for
+    /// a c10d store or a lost connection.
+    #[cfg(feature = "test-support")]
+    #[doc(hidden)]
+    pub fn into_admitted_stream(self) -> Option<TcpStream> {
+        match self.client {
+            Client::BurnDdp(c) => c.into_stream(),
+            Client::C10d(_) => None,
+        }
     }
 
     /// The secret of a group joining through this store: `given` if any; else, on a c10d

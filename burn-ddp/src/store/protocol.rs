@@ -16,8 +16,8 @@ pub(crate) const HELLO: &[u8] = b"burn-ddp store v3";
 pub(crate) const MAX_FRAME_LEN: usize = 64 << 20;
 /// Longest key accepted.
 pub(crate) const MAX_KEY_LEN: usize = 4096;
-/// Most keys one wait may name (a job waits for one key per rank at a time): a wait's keys
-/// are scanned on every write while it waits, under the store's lock.
+/// Most keys one wait may name (a job waits for one key per rank at a time): a wait's keys are
+/// looked up under the store's lock when it begins (and each again as the keys before it arrive).
 pub(crate) const MAX_WAIT_KEYS: usize = 1 << 16;
 
 /// One request to the store.

@@ -1,4 +1,5 @@
-//! The store server rank 0 hosts: a thread per client, one map, a condition variable for waits.
+//! The store server rank 0 hosts: a thread per client, one map, each wait registered under the
+//! keys it misses (`entries`), so that a write wakes only the waits for its key.
 //!
 //! Connections that are not yet admitted (challenge and response, `secret::handshake`, not
 //! complete) are bounded in time and number: each gets [`StoreServer::HELLO_TIMEOUT`] in all,
@@ -11,7 +12,7 @@
 //! long as the flood lasts.
 
 use std::collections::{HashMap, VecDeque};
-use std::io;
+use std::io::{self, BufReader, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
@@ -47,7 +48,6 @@ pub struct StoreServer {
 
 struct Shared {
     map: Mutex<Entries>,
-    changed: Condvar,
     shutdown: AtomicBool,
     conns: Mutex<Conns>,
     secret: Option<JobSecret>,
@@ -108,24 +108,33 @@ impl Shared {
         crate::sync::lock(&self.map)
     }
 
-    /// Waits until `ready(map)` holds, the deadline passes or the server stops.
-    fn wait_until(
+    /// Waits until every one of `keys` is set (`true`), the deadline passes or the server
+    /// stops; refused (a named error) when the store has too many waits open.
+    fn wait_for(
         &self,
+        keys: &Arc<[String]>,
         timeout: Duration,
-        mut ready: impl FnMut(&Entries) -> bool,
-    ) -> (MutexGuard<'_, Entries>, bool) {
+    ) -> std::result::Result<(MutexGuard<'_, Entries>, bool), String> {
         let deadline = Instant::now() + timeout;
         let mut map = self.map();
-        loop {
-            if ready(&map) {
-                return (map, true);
-            }
-            let now = Instant::now();
-            if now >= deadline || self.shutdown.load(Ordering::Acquire) {
-                return (map, false);
-            }
-            map = crate::sync::wait_timeout(&self.changed, map, deadline - now).0;
+        if timeout.is_zero() || self.shutdown.load(Ordering::Acquire) {
+            let all = keys.iter().all(|k| map.contains_key(k));
+            return Ok((map, all));
         }
+        let wake = Arc::new(Condvar::new());
+        let Some(id) = map.watch(keys, &wake)? else {
+            return Ok((map, true));
+        };
+        loop {
+            let now = Instant::now();
+            if map.arrived(&id) || now >= deadline || self.shutdown.load(Ordering::Acquire) {
+                break;
+            }
+            map = crate::sync::wait_timeout(&wake, map, deadline - now).0;
+        }
+        let arrived = map.arrived(&id);
+        map.unwatch(id);
+        Ok((map, arrived))
     }
 }
 
@@ -164,7 +173,6 @@ impl StoreServer {
             .map_err(|e| DdpError::io("reading the store's address", e))?;
         let shared = Arc::new(Shared {
             map: Mutex::new(Entries::default()),
-            changed: Condvar::new(),
             shutdown: AtomicBool::new(false),
             conns: Mutex::new(Conns::default()),
             secret,
@@ -198,7 +206,7 @@ impl StoreServer {
 impl Drop for StoreServer {
     fn drop(&mut self) {
         self.shared.shutdown.store(true, Ordering::Release);
-        self.shared.changed.notify_all();
+        self.shared.map().wake_all();
         for (_, client) in self.shared.conns().open.drain() {
             let _ = client.shutdown(std::net::Shutdown::Both);
         }
@@ -336,67 +344,71 @@ fn admit(stream: &TcpStream, shared: &Shared, id: u64) -> std::result::Result<()
     Ok(())
 }
 
-/// Answers an admitted client's requests until it closes the connection.
+/// Answers an admitted client's requests until it closes the connection. Requests are read
+/// through a buffer; the answers to those a client sent ahead (pipelined) go out together, once
+/// no whole request is left in the buffer (or [`ANSWERS_AHEAD`] bytes of answers wait).
 fn serve_client(stream: &TcpStream, shared: &Shared) -> std::result::Result<(), ServeError> {
-    let mut stream = stream;
+    let (mut requests, mut out) = (BufReader::new(stream), stream);
+    let mut answers = Vec::new();
     loop {
-        let body = match read_frame(&mut stream, MAX_FRAME_LEN) {
+        let body = match read_frame(&mut requests, MAX_FRAME_LEN) {
             Ok(b) => b,
             Err(FrameError::Closed) => return Ok(()),
             Err(FrameError::TooLong(n)) => {
                 let why = format!("bad request: frame of {n} bytes exceeds {MAX_FRAME_LEN}");
-                let _ = write_frame(&mut stream, &Response::Error(why).encode());
+                let _ = write_frame(&mut out, &Response::Error(why).encode());
                 return Err(FrameError::TooLong(n).into());
             }
             Err(e) => return Err(e.into()),
         };
         let (response, fatal) = match Request::decode(&body) {
-            Ok(req) => (handle(req, shared), None),
+            Ok(req) => (handle(req, shared).unwrap_or_else(Response::Error), None),
             Err(e) => (Response::Error(format!("bad request: {e}")), Some(e)),
         };
-        write_frame(&mut stream, &response.encode())?;
+        write_frame(&mut answers, &response.encode())?;
+        let ahead = requests.buffer();
+        let whole = ahead.len() >= 4
+            && ahead.len() - 4
+                >= u32::from_le_bytes([ahead[0], ahead[1], ahead[2], ahead[3]]) as usize;
+        if fatal.is_some() || !whole || answers.len() >= ANSWERS_AHEAD {
+            out.write_all(&answers)?;
+            answers.clear();
+        }
         if let Some(e) = fatal {
             return Err(ServeError::BadRequest(e));
         }
     }
 }
 
-fn handle(req: Request, shared: &Shared) -> Response {
-    match req {
+/// Most bytes of answers held back while a client's next request is already buffered.
+const ANSWERS_AHEAD: usize = 64 << 10;
+
+/// The answer to `req`, or why it is refused.
+fn handle(req: Request, shared: &Shared) -> std::result::Result<Response, String> {
+    Ok(match req {
         Request::Set { key, value } => {
-            if let Err(refused) = shared.map().insert(key, value) {
-                return Response::Error(refused);
-            }
-            shared.changed.notify_all();
+            shared.map().insert(key, value)?;
             Response::Ok
         }
         Request::Get { key, timeout } => {
-            let (map, ok) = shared.wait_until(timeout, |m| m.contains_key(&key));
-            match map.get(&key) {
+            let keys: Arc<[String]> = Arc::new([key]);
+            let (map, ok) = shared.wait_for(&keys, timeout)?;
+            match map.get(&keys[0]) {
                 Some(v) if ok => Response::Value(v.clone()),
-                _ => Response::Timeout(vec![key]),
+                _ => Response::Timeout(keys.to_vec()),
             }
         }
         Request::Add { key, delta } => {
             let mut map = shared.map();
             let current = match map.get(&key) {
                 None => 0,
-                Some(v) => match std::str::from_utf8(v)
+                Some(v) => std::str::from_utf8(v)
                     .ok()
                     .and_then(|s| s.parse::<i64>().ok())
-                {
-                    Some(i) => i,
-                    None => {
-                        return Response::Error(format!("key {key:?} does not hold an integer"));
-                    }
-                },
+                    .ok_or_else(|| format!("key {key:?} does not hold an integer"))?,
             };
             let sum = current.saturating_add(delta);
-            if let Err(refused) = map.insert(key, sum.to_string().into_bytes()) {
-                return Response::Error(refused);
-            }
-            drop(map);
-            shared.changed.notify_all();
+            map.insert(key, sum.to_string().into_bytes())?;
             Response::Int(sum)
         }
         Request::CompareSet {
@@ -407,23 +419,22 @@ fn handle(req: Request, shared: &Shared) -> Response {
             let mut map = shared.map();
             let current = map.get(&key).cloned().unwrap_or_default();
             if current == expected {
-                if let Err(refused) = map.insert(key, desired.clone()) {
-                    return Response::Error(refused);
-                }
-                drop(map);
-                shared.changed.notify_all();
+                map.insert(key, desired.clone())?;
                 Response::Value(desired)
             } else {
                 Response::Value(current)
             }
         }
         Request::Wait { keys, timeout } => {
-            let (map, ok) = shared.wait_until(timeout, |m| keys.iter().all(|k| m.contains_key(k)));
-            if ok {
-                Response::Ok
-            } else {
-                Response::Timeout(keys.into_iter().filter(|k| !map.contains_key(k)).collect())
+            let keys: Arc<[String]> = keys.into();
+            let (map, ok) = shared.wait_for(&keys, timeout)?;
+            match ok {
+                true => Response::Ok,
+                false => {
+                    let missing = keys.iter().filter(|k| !map.contains_key(k));
+                    Response::Timeout(missing.cloned().collect())
+                }
             }
         }
-    }
+    })
 }

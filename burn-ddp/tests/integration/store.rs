@@ -1,4 +1,7 @@
-//! The rendezvous store: operations, waits, late server start, garbage clients.
+//! The rendezvous store: operations, waits, late server start, garbage clients; its bounds
+//! against an admitted client in `limits`.
+
+mod limits;
 
 use std::io::{Read, Write};
 use std::net::TcpStream;
