@@ -48,6 +48,7 @@ impl Writer {
         self
     }
     /// A `u64` length followed by the bytes: a field of any size.
+    #[cfg_attr(not(feature = "train"), allow(dead_code))]
     pub(crate) fn long_bytes(&mut self, v: &[u8]) -> &mut Self {
         self.u64(v.len() as u64);
         self.buf.extend_from_slice(v);
@@ -117,11 +118,13 @@ impl<'a> Reader<'a> {
         }
     }
     /// A field written by [`Writer::long_bytes`].
+    #[cfg_attr(not(feature = "train"), allow(dead_code))]
     pub(crate) fn long_bytes(&mut self) -> Result<&'a [u8], DecodeError> {
         let n = self.u64()?;
         self.fixed(n)
     }
     /// `n` bytes whose length was told elsewhere (a header); checked against what is left.
+    #[cfg_attr(not(feature = "train"), allow(dead_code))]
     pub(crate) fn fixed(&mut self, n: u64) -> Result<&'a [u8], DecodeError> {
         match usize::try_from(n) {
             Ok(n) => self.take(n),
