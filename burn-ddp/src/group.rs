@@ -327,3 +327,34 @@ impl Drop for ProcessGroup {
         }
     }
 }
+
+/// Runs `f` on `n` ranks, threads of this process over loopback TCP, with `options` and a store
+/// served here; the results in rank order (the unit tests' world; the integration tests have
+/// their own in `tests/integration/common.rs`).
+#[cfg(test)]
+pub(crate) fn thread_world<T: Send>(
+    n: usize,
+    options: crate::GroupOptions,
+    f: impl Fn(usize, ProcessGroup) -> T + Sync,
+) -> Vec<T> {
+    let server = crate::store::StoreServer::bind("127.0.0.1:0").expect("a store on loopback");
+    let port = server.local_addr().port();
+    std::thread::scope(|s| {
+        let ranks: Vec<_> = (0..n)
+            .map(|rank| {
+                let (f, options) = (&f, options.clone());
+                s.spawn(move || {
+                    let group = ProcessGroup::builder(rank, n)
+                        .master_addr("127.0.0.1")
+                        .master_port(port)
+                        .host_store(false)
+                        .options(options)
+                        .build()
+                        .unwrap_or_else(|e| panic!("rank {rank} could not join: {e}"));
+                    f(rank, group)
+                })
+            })
+            .collect();
+        ranks.into_iter().map(|r| r.join().unwrap()).collect()
+    })
+}

@@ -359,37 +359,19 @@ mod tests {
     /// Rank 0's outcome of gathering one step whose rank `r` sends `items[r]` (ranks are
     /// threads over loopback TCP); the other ranks only send.
     fn gather_step(items: Vec<Vec<u8>>) -> String {
-        let server = crate::store::StoreServer::bind("127.0.0.1:0").unwrap();
-        let port = server.local_addr().port();
         let options = crate::GroupOptions {
             timeout: Duration::from_secs(30),
             rendezvous_timeout: Duration::from_secs(30),
             ..crate::GroupOptions::default()
         };
-        let n = items.len();
-        let outcomes: Vec<String> = std::thread::scope(|s| {
-            let ranks: Vec<_> = (items.iter().enumerate())
-                .map(|(rank, item)| {
-                    let options = options.clone();
-                    s.spawn(move || {
-                        let group = ProcessGroup::builder(rank, n)
-                            .master_addr("127.0.0.1")
-                            .master_port(port)
-                            .host_store(false)
-                            .options(options)
-                            .build()
-                            .unwrap();
-                        let pending = PendingItem::<ClassificationOutput>::Gathering(
-                            group.all_gather(part(Some(item), None)),
-                        );
-                        match pending.finish(rank, &device()) {
-                            Ok(_) => "ok".to_string(),
-                            Err(e) => e.to_string(),
-                        }
-                    })
-                })
-                .collect();
-            ranks.into_iter().map(|r| r.join().unwrap()).collect()
+        let outcomes = crate::group::thread_world(items.len(), options, |rank, group| {
+            let pending = PendingItem::<ClassificationOutput>::Gathering(
+                group.all_gather(part(Some(&items[rank]), None)),
+            );
+            match pending.finish(rank, &device()) {
+                Ok(_) => "ok".to_string(),
+                Err(e) => e.to_string(),
+            }
         });
         assert!(outcomes[1..].iter().all(|o| o == "ok"), "{outcomes:?}");
         outcomes[0].clone()

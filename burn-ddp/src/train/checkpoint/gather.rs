@@ -234,32 +234,13 @@ mod tests {
 
     /// `f` on `n` ranks, threads over loopback TCP, with `max_gather_bytes` set to `limit`.
     fn world<T: Send>(n: usize, limit: usize, f: impl Fn(ProcessGroup) -> T + Sync) -> Vec<T> {
-        let server = crate::store::StoreServer::bind("127.0.0.1:0").unwrap();
-        let port = server.local_addr().port();
         let options = GroupOptions {
             timeout: Duration::from_secs(60),
             rendezvous_timeout: Duration::from_secs(30),
             max_gather_bytes: limit,
             ..GroupOptions::default()
         };
-        std::thread::scope(|s| {
-            let ranks: Vec<_> = (0..n)
-                .map(|rank| {
-                    let (f, options) = (&f, options.clone());
-                    s.spawn(move || {
-                        let group = ProcessGroup::builder(rank, n)
-                            .master_addr("127.0.0.1")
-                            .master_port(port)
-                            .host_store(false)
-                            .options(options)
-                            .build()
-                            .unwrap();
-                        f(group)
-                    })
-                })
-                .collect();
-            ranks.into_iter().map(|r| r.join().unwrap()).collect()
-        })
+        crate::group::thread_world(n, options, |_, group| f(group))
     }
 
     /// Rank `r`'s record in these tests: `r + 1` repeated over `2500 * r + 10` bytes.

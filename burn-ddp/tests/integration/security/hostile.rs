@@ -38,13 +38,7 @@ fn leaks(secret: &JobSecret, bytes: &[u8]) -> bool {
 
 /// A rank of a world of 2 whose store is at `port`, holding `secret`.
 fn rank(rank: usize, port: u16, secret: &JobSecret) -> burn_ddp::Result<ProcessGroup> {
-    ProcessGroup::builder(rank, 2)
-        .master_addr("127.0.0.1")
-        .master_port(port)
-        .host_store(false)
-        .secret(secret.clone())
-        .options(options(10))
-        .build()
+    super::join(rank, 2, port, secret, options(10))
 }
 
 fn is_unproven_store(e: &DdpError) -> bool {

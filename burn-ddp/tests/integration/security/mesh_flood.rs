@@ -30,13 +30,7 @@ const ACCEPTING: &str = "test/flood/accepting";
 const GO: &str = "test/flood/go";
 
 fn join(rank: usize, port: u16, secret: &JobSecret) -> ProcessGroup {
-    ProcessGroup::builder(rank, WORLD)
-        .master_addr("127.0.0.1")
-        .master_port(port)
-        .host_store(false)
-        .secret(secret.clone())
-        .options(options(20))
-        .build()
+    super::join(rank, WORLD, port, secret, options(20))
         .unwrap_or_else(|e| panic!("rank {rank}: {e}"))
 }
 

@@ -19,21 +19,33 @@ pub(crate) mod watch;
 
 use std::time::Duration;
 
-use burn_ddp::ProcessGroup;
 use burn_ddp::secret::JobSecret;
 use burn_ddp::store::Store;
+use burn_ddp::{GroupOptions, ProcessGroup};
 
 use crate::common::options;
 
-/// Rank `rank` of a world of two joining the job whose store listens on `port`, with `secret`.
-fn join_pair(rank: usize, port: u16, secret: &JobSecret) -> burn_ddp::Result<ProcessGroup> {
-    ProcessGroup::builder(rank, 2)
+/// Rank `rank` of a world of `world` joining the job whose store listens on `port`, with
+/// `secret` and `options`.
+fn join(
+    rank: usize,
+    world: usize,
+    port: u16,
+    secret: &JobSecret,
+    options: GroupOptions,
+) -> burn_ddp::Result<ProcessGroup> {
+    ProcessGroup::builder(rank, world)
         .master_addr("127.0.0.1")
         .master_port(port)
         .host_store(false)
         .secret(secret.clone())
-        .options(options(20))
+        .options(options)
         .build()
+}
+
+/// Rank `rank` of a world of two joining the job whose store listens on `port`, with `secret`.
+fn join_pair(rank: usize, port: u16, secret: &JobSecret) -> burn_ddp::Result<ProcessGroup> {
+    join(rank, 2, port, secret, options(20))
 }
 
 /// Rank 0's data-plane address, once rank 0 (forming its group on another thread) published

@@ -4,7 +4,6 @@
 
 use std::time::{Duration, Instant};
 
-use burn_ddp::ProcessGroup;
 use burn_ddp::secret::JobSecret;
 use burn_ddp::store::{Store, StoreServer};
 
@@ -21,13 +20,7 @@ fn form_world(secret: &JobSecret) -> Duration {
         let ranks: Vec<_> = (0..WORLD)
             .map(|rank| {
                 s.spawn(move || {
-                    let group = ProcessGroup::builder(rank, WORLD)
-                        .master_addr("127.0.0.1")
-                        .master_port(port)
-                        .host_store(false)
-                        .secret(secret.clone())
-                        .options(options(30))
-                        .build()
+                    let group = super::join(rank, WORLD, port, secret, options(30))
                         .unwrap_or_else(|e| panic!("rank {rank} could not join: {e}"));
                     let took = start.elapsed();
                     group.barrier().wait().unwrap();
