@@ -12,7 +12,7 @@ use std::sync::{Arc, Mutex};
 
 #[cfg(feature = "train")]
 use crate::collectives::agreement::Said;
-use crate::collectives::backend::Backends;
+use crate::collectives::backends::Backends;
 use crate::collectives::{Broadcastable, Gatherable, ReduceOp, Reducible, Transport, Work};
 use crate::env::LaunchEnv;
 use crate::error::{DdpError, Result};
@@ -183,7 +183,7 @@ impl ProcessGroup {
     /// the one way the ranks compare what they say ([`Said::differing`]).
     #[cfg(feature = "train")]
     pub(crate) fn gather_said(&self, mine: Vec<u8>) -> Result<Said> {
-        self.backends.gather_said(mine)
+        self.backends.host().gather_said(mine)
     }
 
     /// Starts an all-reduce of `data`; [`Work::wait`] returns the reduced buffer, identical on
@@ -250,7 +250,8 @@ impl ProcessGroup {
         tensor: burn::tensor::Tensor<1>,
         parts: &[usize],
     ) -> Work<burn::tensor::Tensor<1>> {
-        crate::collectives::device::all_gather_parts(&self.backends, tensor, parts.to_vec())
+        use crate::collectives::backend::{Request, one};
+        (self.backends).start_tensor(tensor, Request::AllGatherParts(parts.to_vec()), one)
     }
 
     /// Starts a broadcast: every rank's buffer (a `Vec` or a `Tensor<1>`) becomes `root`'s.
@@ -270,7 +271,7 @@ impl ProcessGroup {
         if self.world_size == 1 {
             return Work::done(self.rank, Ok(()));
         }
-        self.backends.submit(|t| t.barrier())
+        self.backends.host().submit(|t| t.barrier())
     }
 }
 

@@ -4,8 +4,7 @@
 //! ([`Said::decode_each`]). Every rank sees the same gathered bytes, so every rank finds the
 //! same disagreement (or the same malformed message) and fails alike, naming the same ranks.
 
-use super::Gatherable;
-use super::backend::Backends;
+use super::queue::Queue;
 use super::worker::Worker;
 use crate::error::{DdpError, Result};
 use crate::wire::{DecodeError, Reader};
@@ -43,17 +42,20 @@ impl Said {
     }
 }
 
-impl Backends {
+impl Queue {
     /// Gathers every rank's `mine` (a description of something every rank must agree on).
     pub(crate) fn gather_said(&self, mine: Vec<u8>) -> Result<Said> {
+        if self.world() == 1 {
+            return Ok(Said { all: vec![mine] });
+        }
         Ok(Said {
-            all: mine.start_all_gather(self).wait()?,
+            all: self.submit(move |t| t.all_gather(&mine)).wait()?,
         })
     }
 }
 
 impl Worker {
-    /// As [`Backends::gather_said`], on the collective thread.
+    /// As [`Queue::gather_said`], on the collective thread.
     pub(crate) fn gather_said(&mut self, mine: &[u8]) -> Result<Said> {
         Ok(Said {
             all: self.run(|t| t.all_gather(mine))?,

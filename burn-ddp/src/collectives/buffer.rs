@@ -1,10 +1,15 @@
 //! What the group's collectives accept: host vectors (moved by the host transport) and, with the
 //! `train` feature, burn tensors on any device (moved by the backend of their device kind, see
-//! [`device`](super::device)). [`crate::ProcessGroup::all_reduce`] and its siblings are generic
+//! [`backend`](super::backend)). [`crate::ProcessGroup::all_reduce`] and its siblings are generic
 //! over these traits, so one call serves every kind of buffer, as `torch.distributed` does; each
 //! implementation hands its buffer to the backend it travels by ([`Backends`]).
 
-use super::backend::Backends;
+#[cfg(feature = "train")]
+use burn::tensor::Tensor;
+
+#[cfg(feature = "train")]
+use super::backend::{Request, one};
+use super::backends::Backends;
 use super::{Element, Reduce, ReduceOp, Work};
 #[cfg(doc)]
 use crate::ProcessGroup;
@@ -58,10 +63,12 @@ impl<T: Element> sealed::Sealed for Vec<T> {}
 
 impl<T: Reduce> Reducible for Vec<T> {
     fn start_all_reduce(mut self, backends: &Backends, op: ReduceOp) -> Work<Self> {
-        if backends.world() == 1 {
-            return Work::done(backends.rank(), Ok(self));
+        if backends.host().world() == 1 {
+            return Work::done(backends.host().rank(), Ok(self));
         }
-        backends.submit(move |t| t.all_reduce(&mut self, op).map(|()| self))
+        backends
+            .host()
+            .submit(move |t| t.all_reduce(&mut self, op).map(|()| self))
     }
 
     fn start_reduce_scatter(
@@ -70,7 +77,7 @@ impl<T: Reduce> Reducible for Vec<T> {
         parts: Vec<usize>,
         op: ReduceOp,
     ) -> Work<Self> {
-        backends.submit(move |t| {
+        backends.host().submit(move |t| {
             let mine = t.reduce_scatter(&mut self, &parts, op)?;
             self.truncate(mine.end);
             self.drain(..mine.start);
@@ -85,10 +92,12 @@ impl<T: Reduce> Reducible for Vec<T> {
 
 impl<T: Element> Broadcastable for Vec<T> {
     fn start_broadcast(mut self, backends: &Backends, root: usize) -> Work<Self> {
-        if backends.world() == 1 && root == 0 {
-            return Work::done(backends.rank(), Ok(self));
+        if backends.host().world() == 1 && root == 0 {
+            return Work::done(backends.host().rank(), Ok(self));
         }
-        backends.submit(move |t| t.broadcast(&mut self, root).map(|()| self))
+        backends
+            .host()
+            .submit(move |t| t.broadcast(&mut self, root).map(|()| self))
     }
 }
 
@@ -96,9 +105,48 @@ impl Gatherable for Vec<u8> {
     type Gathered = Vec<Vec<u8>>;
 
     fn start_all_gather(self, backends: &Backends) -> Work<Vec<Vec<u8>>> {
-        if backends.world() == 1 && self.len() <= backends.max_gather_bytes() {
-            return Work::done(backends.rank(), Ok(vec![self]));
+        if backends.host().world() == 1 && self.len() <= backends.host().limits().max_gather_bytes {
+            return Work::done(backends.host().rank(), Ok(vec![self]));
         }
-        backends.submit(move |t| t.all_gather(&self))
+        backends.host().submit(move |t| t.all_gather(&self))
+    }
+}
+
+#[cfg(feature = "train")]
+impl sealed::Sealed for Tensor<1> {}
+
+#[cfg(feature = "train")]
+impl Reducible for Tensor<1> {
+    fn start_all_reduce(self, backends: &Backends, op: ReduceOp) -> Work<Self> {
+        backends.start_tensor(self, Request::AllReduce(op), one)
+    }
+
+    fn start_reduce_scatter(
+        self,
+        backends: &Backends,
+        parts: Vec<usize>,
+        op: ReduceOp,
+    ) -> Work<Self> {
+        backends.start_tensor(self, Request::ReduceScatter(parts, op), one)
+    }
+
+    fn elements(&self) -> usize {
+        self.shape().num_elements()
+    }
+}
+
+#[cfg(feature = "train")]
+impl Broadcastable for Tensor<1> {
+    fn start_broadcast(self, backends: &Backends, root: usize) -> Work<Self> {
+        backends.start_tensor(self, Request::Broadcast(root), one)
+    }
+}
+
+#[cfg(feature = "train")]
+impl Gatherable for Tensor<1> {
+    type Gathered = Vec<Tensor<1>>;
+
+    fn start_all_gather(self, backends: &Backends) -> Work<Vec<Tensor<1>>> {
+        backends.start_tensor(self, Request::AllGather, |pieces, _, _| pieces)
     }
 }

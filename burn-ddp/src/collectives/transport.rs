@@ -2,6 +2,12 @@
 //! between them), chosen with `BURN_DDP_TRANSPORT` or `GroupOptions::transport`; the choice is
 //! made at rendezvous (`shm/setup.rs`).
 
+pub(crate) mod host;
+pub(crate) mod reduce;
+pub(crate) mod schedule;
+pub(crate) mod shm;
+pub(crate) mod tcp;
+
 /// The environment variable that chooses the transport: `tcp`, `shm` or `auto`.
 pub const TRANSPORT_VAR: &str = "BURN_DDP_TRANSPORT";
 

@@ -11,8 +11,8 @@ use std::sync::Arc;
 use std::sync::mpsc::{self, Sender};
 use std::thread::JoinHandle;
 
-use super::host::{HostTransport, OpError, OpResult};
-use super::tcp::PeerFailure;
+use super::transport::host::{HostTransport, OpError, OpResult};
+use super::transport::tcp::PeerFailure;
 use crate::error::{DdpError, Result};
 use crate::failure::FailureRecord;
 use crate::status::StatusCell;

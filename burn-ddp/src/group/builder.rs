@@ -9,10 +9,11 @@ use std::time::{Duration, Instant};
 
 use super::ProcessGroup;
 use crate::collectives::Transport;
-use crate::collectives::backend::{Backends, Limits};
-use crate::collectives::host::{HostConfig, HostTransport};
-use crate::collectives::shm::setup::{ShmRequest, negotiate};
-use crate::collectives::tcp::mesh;
+use crate::collectives::backends::Backends;
+use crate::collectives::queue::Limits;
+use crate::collectives::transport::host::{HostConfig, HostTransport};
+use crate::collectives::transport::shm::setup::{ShmRequest, negotiate};
+use crate::collectives::transport::tcp::mesh;
 use crate::env::DEFAULT_MASTER_PORT;
 use crate::error::{DdpError, Result};
 use crate::secret::JobSecret;

@@ -8,7 +8,7 @@ use burn::module::{Module, ModuleMapper, ModuleVisitor, Param};
 use burn::tensor::{DType, Tensor};
 
 use crate::ProcessGroup;
-use crate::collectives::device::slices::cut;
+use crate::collectives::backend::slices::cut;
 use crate::error::{DdpError, Result};
 use crate::wire::Writer;
 

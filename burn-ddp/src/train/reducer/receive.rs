@@ -8,7 +8,7 @@ use std::time::Instant;
 use burn::tensor::Tensor;
 
 use super::{GradientReducer, InFlight};
-use crate::collectives::device::slices::cut;
+use crate::collectives::backend::slices::cut;
 use crate::error::{DdpError, Result};
 use crate::train::fingerprint::FINGERPRINT_LEN;
 use crate::train::non_finite::NonFinite;

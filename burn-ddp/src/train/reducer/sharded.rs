@@ -13,7 +13,7 @@ use burn::tensor::Tensor;
 
 use super::GradientReducer;
 use super::visit::{Give, Values};
-use crate::collectives::device::slices::{concat, cut};
+use crate::collectives::backend::slices::{concat, cut};
 use crate::error::{DdpError, Result};
 use crate::train::ParamInfo;
 use crate::train::params::param_ids;

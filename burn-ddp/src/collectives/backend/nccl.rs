@@ -20,18 +20,18 @@ use burn_ddp_nccl::{NcclComm, NcclError, Pending};
 
 use super::Request;
 use super::plan::{self, Call, Plan};
-use crate::collectives::backend::Backends;
+use crate::collectives::queue::Queue;
 use crate::collectives::worker::{Elsewhere, Worker};
 use crate::collectives::{ReduceOp, Work};
 use crate::error::{DdpError, Result};
 use crate::wire::{Reader, Writer};
 
 /// Joins the group's NCCL communicator on the GPU of `device`.
-pub(super) fn join(group: &Backends, device: &Device) -> Result<NcclComm> {
+pub(super) fn join(queue: &Queue, device: &Device) -> Result<NcclComm> {
     let gpu = burn_ddp_nccl::cuda_ordinal(device)
         .ok_or_else(|| DdpError::Disagreement(format!("{device:?} is not a CUDA device")))?;
-    let (world, timeout) = (group.world(), group.timeout());
-    group
+    let (world, timeout) = (queue.world(), queue.limits().timeout);
+    queue
         .on_worker(move |w| {
             let id = exchange_id(w)?;
             let rank = w.rank();
@@ -136,7 +136,7 @@ fn cause_elsewhere<E>(
 /// stream, then agreed and run on the collective thread; `done` turns the result's tensors into
 /// the caller's.
 pub(super) fn start<T: Send + 'static>(
-    group: &Backends,
+    queue: &Queue,
     comm: &NcclComm,
     tensor: Tensor<1>,
     request: Request,
@@ -144,7 +144,7 @@ pub(super) fn start<T: Send + 'static>(
 ) -> Work<T> {
     let begin = |call, input| begin(comm, call, input);
     let finish = |w: &mut Worker, plan: &Plan, started| wait(w, plan.name, started);
-    plan::run(group, tensor, request, begin, finish, done)
+    plan::run(queue, tensor, request, begin, finish, done)
 }
 
 /// The NCCL collective `call` started on `input` (the one place this backend calls NCCL).

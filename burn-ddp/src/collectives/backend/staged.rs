@@ -10,7 +10,7 @@ use burn::tensor::{DType, Tensor, TensorData};
 use half::{bf16, f16};
 
 use super::{Request, invalid};
-use crate::collectives::backend::Backends;
+use crate::collectives::queue::Queue;
 use crate::collectives::worker::Worker;
 use crate::collectives::{Reduce, ReduceOp, Work};
 use crate::error::Result;
@@ -18,12 +18,12 @@ use crate::error::Result;
 /// Starts `request` on `tensor` through the host: one job on the collective thread, whose
 /// result's tensors `done` turns into the caller's.
 pub(super) fn start<T: Send + 'static>(
-    group: &Backends,
+    queue: &Queue,
     tensor: Tensor<1>,
     request: Request,
     done: impl FnOnce(Vec<Tensor<1>>) -> T + Send + 'static,
 ) -> Work<T> {
-    group.on_worker(move |w| {
+    queue.on_worker(move |w| {
         let pieces = match request {
             Request::AllReduce(op) => vec![all_reduce(w, tensor, op)?],
             Request::ReduceScatter(parts, op) => vec![reduce_scatter(w, tensor, &parts, op)?],

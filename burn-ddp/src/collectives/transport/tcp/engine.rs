@@ -18,7 +18,7 @@ use mio::{Events, Interest, Poll, Token};
 use super::PeerFailure;
 use super::frame::{HEADER_LEN, Header};
 use crate::collectives::OpDesc;
-use crate::collectives::schedule::{Action, Schedule};
+use crate::collectives::transport::schedule::{Action, Schedule};
 use crate::error::{DdpError, Result};
 
 /// Reduces a received chunk (second argument) into the buffer's bytes (first); the flag marks

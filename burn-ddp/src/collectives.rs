@@ -16,16 +16,12 @@
 
 #[cfg(feature = "train")]
 pub(crate) mod agreement;
-pub(crate) mod backend;
-mod buffer;
 #[cfg(feature = "train")]
-pub(crate) mod device;
-pub(crate) mod host;
-pub(crate) mod reduce;
-pub(crate) mod schedule;
-pub(crate) mod shm;
-pub(crate) mod tcp;
-mod transport;
+pub(crate) mod backend;
+pub(crate) mod backends;
+mod buffer;
+pub(crate) mod queue;
+pub(crate) mod transport;
 mod work;
 pub(crate) mod worker;
 

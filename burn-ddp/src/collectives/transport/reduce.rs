@@ -6,7 +6,7 @@
 use half::slice::HalfFloatSliceExt;
 use half::{bf16, f16};
 
-use super::{Reduce, ReduceOp};
+use crate::collectives::{Reduce, ReduceOp};
 
 #[inline]
 fn pick<T: PartialOrd + Copy>(a: T, b: T, op: ReduceOp, is_nan: impl Fn(T) -> bool) -> T {

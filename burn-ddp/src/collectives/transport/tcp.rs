@@ -22,7 +22,7 @@ mod frame;
 pub(crate) mod mesh;
 
 pub(crate) use self::engine::{Engine, Neighbours, ReduceFn};
-use super::OpDesc;
+use crate::collectives::OpDesc;
 
 /// What the transport saw fail: the peer at fault (it closed, reset, left, stalled or sent
 /// something that does not fit), what happened, and the operation it happened in.

@@ -5,7 +5,7 @@
 use std::ops::Range;
 
 use super::{Fault, Peers, ShmChannel};
-use crate::collectives::schedule::balanced;
+use crate::collectives::transport::schedule::balanced;
 use crate::collectives::{OpDesc, Reduce, ReduceOp};
 
 /// Bytes reduced at a time: a peer's chunk of this size stays in the core's first-level cache.

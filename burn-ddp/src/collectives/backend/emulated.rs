@@ -9,19 +9,19 @@ use burn::tensor::Tensor;
 use super::plan::{self, Call, Plan};
 use super::{Request, staged};
 use crate::collectives::Work;
-use crate::collectives::backend::Backends;
+use crate::collectives::queue::Queue;
 use crate::collectives::worker::Worker;
 use crate::error::Result;
 
 /// Starts `request` on `tensor` as the NCCL backend would, with host collectives for NCCL.
 pub(super) fn start<T: Send + 'static>(
-    group: &Backends,
+    queue: &Queue,
     tensor: Tensor<1>,
     request: Request,
     done: impl FnOnce(Vec<Tensor<1>>) -> T + Send + 'static,
 ) -> Work<T> {
     plan::run(
-        group,
+        queue,
         tensor,
         request,
         |call, input| (call, input),

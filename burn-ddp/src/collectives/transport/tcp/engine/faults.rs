@@ -15,8 +15,8 @@ use std::time::Duration;
 
 use super::{Cursor, Fault, Faulty, Neighbours, Peer, is_would_block};
 use crate::collectives::OpDesc;
-use crate::collectives::schedule::Schedule;
-use crate::collectives::tcp::frame::{FrameKind, HEADER_LEN, Header};
+use crate::collectives::transport::schedule::Schedule;
+use crate::collectives::transport::tcp::frame::{FrameKind, HEADER_LEN, Header};
 
 /// Explains a failed send to `next`: a goodbye waiting on the same connection says the peer
 /// left; otherwise the socket error says how it went.

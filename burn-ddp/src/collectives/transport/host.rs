@@ -23,7 +23,7 @@ use self::net::Net;
 use super::schedule::{Schedule, balanced};
 use super::shm::{self, ShmChannel};
 use super::tcp::{Engine, Neighbours, PeerFailure, ReduceFn};
-use super::{DType, Element, OpDesc, OpKind, Reduce, ReduceOp};
+use crate::collectives::{DType, Element, OpDesc, OpKind, Reduce, ReduceOp};
 use crate::error::Result;
 
 /// Tunables of the host transport.
@@ -83,7 +83,7 @@ pub(crate) struct HostTransport {
 }
 
 impl HostTransport {
-    /// Takes over the connected streams from [`super::mesh::connect`].
+    /// Takes over the connected streams from [`super::tcp::mesh::connect`].
     pub(crate) fn new(
         rank: usize,
         world: usize,

@@ -22,7 +22,7 @@ use burn::tensor::{DType, Device, Tensor};
 use super::slices::{concat, cut, empty};
 use super::{Request, invalid};
 use crate::collectives::agreement::Said;
-use crate::collectives::backend::Backends;
+use crate::collectives::queue::Queue;
 use crate::collectives::worker::Worker;
 use crate::collectives::{ReduceOp, Work};
 use crate::error::{DdpError, Result};
@@ -232,16 +232,16 @@ impl Plan {
 /// `finish` makes NCCL's output from what `begin` returned, and the result is cut from it and
 /// handed to `done`. With no call to make (on every rank alike) only the agreement runs.
 pub(crate) fn run<S: Send + 'static, T: Send + 'static>(
-    group: &Backends,
+    queue: &Queue,
     tensor: Tensor<1>,
     request: Request,
     begin: impl FnOnce(Call, Tensor<1>) -> S,
     finish: impl FnOnce(&mut Worker, &Plan, S) -> Result<Tensor<1>> + Send + 'static,
     done: impl FnOnce(Vec<Tensor<1>>) -> T + Send + 'static,
 ) -> Work<T> {
-    let plan = Plan::new(&request, group.rank(), group.world(), &tensor);
+    let plan = Plan::new(&request, queue.rank(), queue.world(), &tensor);
     let started = (plan.call.zip(plan.input(tensor))).map(|(call, input)| begin(call, input));
-    group.on_worker(move |w| {
+    queue.on_worker(move |w| {
         let said = w.gather_said(&plan.message())?;
         plan.agree(&said)?;
         let output = match started {
