@@ -13,6 +13,23 @@
 //! # Ok(result) }
 //! ```
 
+mod buffers;
+pub(crate) mod checkpoint;
+mod epochs;
+mod loader_shards;
+mod sampler;
+mod settings;
+mod split;
+mod state;
+mod step;
+mod stop;
+mod strategy;
+mod train_epoch;
+mod valid_epoch;
+
+pub use buffers::BufferSync;
+pub use sampler::{DistributedDataset, DistributedSampler};
+
 use std::fmt::Display;
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -24,24 +41,24 @@ use burn::train::{
     TrainingStrategy,
 };
 
-use super::bucket::BucketConfig;
-use super::buffers::{BufferSync, Buffers};
-use super::checkpoint::CheckpointConfig;
-use super::compression::Compression;
-use super::gather::GlobalItem;
-use super::non_finite::NonFinite;
-use super::params::{broadcast_module, check_agreement, layout};
-use super::progress::ProgressOutput;
-use super::quiet::QuietRenderer;
-use super::reducer::GradientReducer;
-use super::sampler::{DistributedSampler, SamplerRegistry};
-use super::settings::SharedSettings;
-use super::sharding::{Sharding, TakeOwners, take_owners_group};
-use super::strategy::{DdpStrategy, Feeding, Samplers};
-use super::telemetry::Telemetry;
-use super::telemetry::trace::Trace;
 use crate::error::{DdpError, Result};
 use crate::status::Phase;
+use crate::train::learner::buffers::Buffers;
+use crate::train::learner::checkpoint::CheckpointConfig;
+use crate::train::learner::sampler::SamplerRegistry;
+use crate::train::learner::settings::SharedSettings;
+use crate::train::learner::strategy::{DdpStrategy, Feeding, Samplers};
+use crate::train::reducer::GradientReducer;
+use crate::train::reducer::bucket::BucketConfig;
+use crate::train::reducer::compression::Compression;
+use crate::train::reducer::non_finite::NonFinite;
+use crate::train::reducer::ownership::{Sharding, TakeOwners, take_owners_group};
+use crate::train::reducer::params::{broadcast_module, check_agreement, layout};
+use crate::train::report::metrics::GlobalItem;
+use crate::train::report::progress::ProgressOutput;
+use crate::train::report::quiet::QuietRenderer;
+use crate::train::report::telemetry::Telemetry;
+use crate::train::report::telemetry::trace::Trace;
 use crate::{ProcessGroup, init_process_group};
 
 /// A data-parallel learner: the model, optimizer and schedule of a burn `Learner`, plus the

@@ -10,10 +10,10 @@ use burn::tensor::Tensor;
 use super::{GradientReducer, InFlight};
 use crate::collectives::backend::slices::cut;
 use crate::error::{DdpError, Result};
-use crate::train::fingerprint::FINGERPRINT_LEN;
-use crate::train::non_finite::NonFinite;
-use crate::train::telemetry::StepStats;
-use crate::train::telemetry::trace::{COMMUNICATION, Span, Trace};
+use crate::train::reducer::fingerprint::FINGERPRINT_LEN;
+use crate::train::reducer::non_finite::NonFinite;
+use crate::train::report::telemetry::StepStats;
+use crate::train::report::telemetry::trace::{COMMUNICATION, Span, Trace};
 
 impl GradientReducer {
     /// Waits for the buckets in order, publishing which one this rank waits for; adds the

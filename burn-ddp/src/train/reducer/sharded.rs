@@ -11,19 +11,19 @@ use burn::module::Module;
 use burn::optim::GradientsParams;
 use burn::tensor::Tensor;
 
-use super::GradientReducer;
-use super::visit::{Give, Values};
 use crate::collectives::backend::slices::{concat, cut};
 use crate::error::{DdpError, Result};
 use crate::train::ParamInfo;
-use crate::train::params::param_ids;
-use crate::train::telemetry::StepStats;
-use crate::train::telemetry::trace::{COMMUNICATION, COMPUTE, Span, Trace};
+use crate::train::reducer::GradientReducer;
+use crate::train::reducer::params::param_ids;
+use crate::train::reducer::visit::{Give, Values};
+use crate::train::report::telemetry::StepStats;
+use crate::train::report::telemetry::trace::{COMMUNICATION, COMPUTE, Span, Trace};
 
 impl GradientReducer {
     /// After the optimizer stepped this rank's own parameters of `model`: every bucket's
     /// parameters all-gathered from their owners, as the values to give the parameters this
-    /// rank does not own (by their ids, for [`crate::train::sharding::TakeOwners`]). `None`
+    /// rank does not own (by their ids, for [`crate::train::reducer::ownership::TakeOwners`]). `None`
     /// when the work is not sharded. Adds the all-gather's time and bytes to `stats`
     /// (`gather`, `gather_bytes`), and a span per bucket to `trace`.
     pub(crate) fn share_updates<M: Module>(

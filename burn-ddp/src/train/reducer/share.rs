@@ -7,9 +7,9 @@ use burn::module::{Module, ModuleMapper, Param};
 use burn::optim::GradientsParams;
 use burn::tensor::Tensor;
 
-use super::GradientReducer;
 use crate::error::Result;
-use crate::train::telemetry::StepStats;
+use crate::train::reducer::GradientReducer;
+use crate::train::report::telemetry::StepStats;
 
 impl GradientReducer {
     /// Completes a sharded step of a hand-written loop (see [`GradientReducer::sharding`]):

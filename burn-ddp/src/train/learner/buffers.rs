@@ -13,12 +13,12 @@ use std::sync::Arc;
 use burn::module::Module;
 use burn::tensor::Tensor;
 
-use super::checkpoint::checksum;
-use super::params::{Assign, Flatten, Select, flat_values, layout};
 use crate::ProcessGroup;
 use crate::collectives::{ReduceOp, Work};
 use crate::error::{DdpError, Result};
 use crate::status::name_ranks;
+use crate::train::learner::checkpoint::checksum;
+use crate::train::reducer::params::{Assign, Flatten, Select, flat_values, layout};
 use crate::wire::Writer;
 
 /// How `DdpLearner` keeps buffers (float state without gradient, such as BatchNorm's running

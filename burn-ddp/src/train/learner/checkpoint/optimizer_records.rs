@@ -9,7 +9,7 @@ use std::collections::{HashMap, HashSet};
 use burn::tensor::Bytes;
 use burn_pack::{Reader, Tensor, Writer};
 
-use super::SnapshotError;
+use crate::train::learner::checkpoint::SnapshotError;
 
 /// One record's parts.
 struct Parts {

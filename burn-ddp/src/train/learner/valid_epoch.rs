@@ -8,11 +8,11 @@ use burn::train::{
     SupervisedTrainingEventProcessor, ValidLoader,
 };
 
-use super::DdpStrategy;
-use super::split::{SplitEnd, SplitItems, SplitPass};
-use super::step::{Batch, StepResult};
 use crate::error::Result;
-use crate::train::gather::GlobalItem;
+use crate::train::learner::split::{SplitEnd, SplitItems, SplitPass};
+use crate::train::learner::step::{Batch, StepResult};
+use crate::train::learner::strategy::DdpStrategy;
+use crate::train::report::metrics::GlobalItem;
 
 /// One epoch's validation pass on this rank.
 pub(super) struct ValidEpoch<'a> {

@@ -12,15 +12,15 @@ use burn::train::{
     TrainLoader, TrainStep,
 };
 
-use super::DdpStrategy;
-use super::split::{SplitEnd, SplitItems, SplitPass};
-use super::step::{Batch, StepResult};
 use crate::error::Result;
-use crate::train::buffers::PendingBuffers;
-use crate::train::checkpoint::Position;
-use crate::train::gather::GlobalItem;
-use crate::train::telemetry::StepStats;
-use crate::train::telemetry::trace::{COMPUTE, Span};
+use crate::train::learner::buffers::PendingBuffers;
+use crate::train::learner::checkpoint::Position;
+use crate::train::learner::split::{SplitEnd, SplitItems, SplitPass};
+use crate::train::learner::step::{Batch, StepResult};
+use crate::train::learner::strategy::DdpStrategy;
+use crate::train::report::metrics::GlobalItem;
+use crate::train::report::telemetry::StepStats;
+use crate::train::report::telemetry::trace::{COMPUTE, Span};
 
 /// One epoch's training pass on this rank, from `from` (a resumed epoch starts mid-way).
 pub(super) struct TrainEpoch<'a, M: LearnerModel> {

@@ -3,7 +3,7 @@
 //! rank it runs on (rank 0): in a sharded run that is rank 0's share only, and resuming from it
 //! would silently reset the other ranks' state. As PyTorch's `ZeroRedundancyOptimizer`
 //! refuses `state_dict()` of an unconsolidated state, the combination is refused before
-//! training; burn-ddp's own checkpoints ([`CheckpointConfig`](super::CheckpointConfig)) hold
+//! training; burn-ddp's own checkpoints ([`CheckpointConfig`](crate::train::learner::checkpoint::CheckpointConfig)) hold
 //! the whole state.
 
 use crate::ProcessGroup;

@@ -6,7 +6,7 @@
 //! backend of the device kind, see `collectives::device`). A parameter without a gradient on this rank takes
 //! part as zeros, so all ranks' buckets agree; a presence flag per parameter travels at the end
 //! of each bucket, and a parameter that no rank produced a gradient for stays without one. Last
-//! comes the bucket's [fingerprint](super::fingerprint). Buckets are summed, then the gradients
+//! comes the bucket's [fingerprint](crate::train::reducer::fingerprint). Buckets are summed, then the gradients
 //! scaled by `1 / world` on the device (flags and fingerprint stay exact sums).
 //!
 //! With the gradients sharded ([`Sharding::OptimizerAndGradients`]) each bucket is
@@ -14,7 +14,7 @@
 //! tails then travel apart as with compression, so that every rank checks all of them and all
 //! take the same decision (a desync, a skipped step).
 //!
-//! With [compression](super::compression) the buckets hold only gradients, in a 16-bit format,
+//! With [compression](crate::train::reducer::compression) the buckets hold only gradients, in a 16-bit format,
 //! and the flags and fingerprints of all buckets travel in `f32` in one more, small all-reduce
 //! per step (16-bit formats cannot hold their sums exactly).
 //!
@@ -30,6 +30,12 @@
 //! so a crate outside burn cannot start a bucket's reduction while backward still runs.
 //! Communication therefore overlaps with packing and unpacking, not with backward.
 
+pub(crate) mod bucket;
+pub(crate) mod compression;
+pub(crate) mod fingerprint;
+pub(crate) mod non_finite;
+pub(crate) mod ownership;
+pub(crate) mod params;
 mod receive;
 mod sharded;
 mod share;
@@ -45,17 +51,17 @@ use burn::tensor::{Device, Tensor, TensorData};
 
 use self::receive::average;
 use self::visit::{Give, take_gradients};
-use super::bucket::{BucketConfig, BucketPlan};
-use super::compression::{Compressed, Compression};
-use super::fingerprint::{FINGERPRINT_LEN, Fingerprint};
-use super::non_finite::NonFinite;
-use super::params::{ParamInfo, layout};
-use super::sharding::{Owners, Sharding};
-use super::telemetry::StepStats;
-use super::telemetry::trace::{COMPUTE, Span, Trace};
 use crate::ProcessGroup;
 use crate::collectives::ReduceOp;
 use crate::error::Result;
+use crate::train::reducer::bucket::{BucketConfig, BucketPlan};
+use crate::train::reducer::compression::{Compressed, Compression};
+use crate::train::reducer::fingerprint::{FINGERPRINT_LEN, Fingerprint};
+use crate::train::reducer::non_finite::NonFinite;
+use crate::train::reducer::ownership::{Owners, Sharding};
+use crate::train::reducer::params::{ParamInfo, layout};
+use crate::train::report::telemetry::StepStats;
+use crate::train::report::telemetry::trace::{COMPUTE, Span, Trace};
 
 /// Averages gradients across the ranks of a group, bucket by bucket.
 pub struct GradientReducer {

@@ -9,7 +9,7 @@ use burn::tensor::{Device, Tensor};
 
 use super::*;
 use crate::train::BucketConfig;
-use crate::train::params::layout;
+use crate::train::reducer::params::layout;
 
 /// Each rank's elements under the placement of `sizes` among `world` ranks, buckets as `cfg`.
 fn shares(sizes: &[usize], world: usize, cfg: &BucketConfig) -> Vec<usize> {

@@ -28,7 +28,7 @@ use std::sync::{Arc, Mutex, Weak};
 use burn::data::dataset::{Dataset, DatasetError};
 
 /// An epoch and how many positions of its order are skipped (not a checkpoint's
-/// [`Position`](super::Position), which also counts batches and the world size).
+/// [`Position`](crate::train::Position), which also counts batches and the world size).
 type EpochCursor = (usize, usize);
 
 /// Decides which samples each rank sees. Cloning shares the epoch counter.
@@ -122,8 +122,8 @@ impl DistributedSampler {
 
     /// The sampler of this process in `group`. The group knows it: a `DdpLearner` of the group
     /// refuses to train while it wraps more datasets than the splits it is registered for
-    /// ([`DdpLearner::sampler`](super::DdpLearner::sampler),
-    /// [`DdpLearner::valid_sampler`](super::DdpLearner::valid_sampler)), since the learner
+    /// ([`DdpLearner::sampler`](crate::train::DdpLearner::sampler),
+    /// [`DdpLearner::valid_sampler`](crate::train::DdpLearner::valid_sampler)), since the learner
     /// would shard such a loader a second time.
     pub fn for_group(group: &crate::ProcessGroup) -> Self {
         let sampler = Self::new(group.rank(), group.world_size());

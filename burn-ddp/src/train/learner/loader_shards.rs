@@ -13,10 +13,10 @@ use std::sync::Arc;
 
 use burn::data::dataloader::DataLoader;
 
-use super::DdpStrategy;
 use crate::error::{DdpError, Result};
 use crate::status::name_ranks;
-use crate::train::sampler::DistributedSampler;
+use crate::train::learner::sampler::DistributedSampler;
+use crate::train::learner::strategy::DdpStrategy;
 use crate::wire::{DecodeError, Reader, Writer};
 
 /// One split's loader, as this rank will iterate it.

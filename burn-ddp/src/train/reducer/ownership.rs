@@ -29,7 +29,7 @@ use burn::module::ParamGroup;
 use burn::optim::{LearningRate, Optimizer};
 use burn::tensor::{Device, Tensor};
 
-use super::bucket::{Bucket, BucketPlan};
+use crate::train::reducer::bucket::{Bucket, BucketPlan};
 
 /// How `DdpLearner` shards the optimizer's work across the ranks (ZeRO).
 ///

@@ -2,13 +2,13 @@
 //! what the ranks compute or send (among them the bucket sizes, which decide the buckets and,
 //! when sharded, which rank owns which parameter), and the user's own (`DdpLearner::setting`). They are
 //! compared across the ranks as a whole, with the model's layout, before the first step
-//! ([`super::check_agreement`]); a mismatch stops every rank naming the setting.
+//! ([`crate::train::check_agreement`]); a mismatch stops every rank naming the setting.
 
-use super::bucket::BucketConfig;
-use super::buffers::BufferSync;
-use super::compression::Compression;
-use super::non_finite::NonFinite;
-use super::sharding::Sharding;
+use crate::train::learner::buffers::BufferSync;
+use crate::train::reducer::bucket::BucketConfig;
+use crate::train::reducer::compression::Compression;
+use crate::train::reducer::non_finite::NonFinite;
+use crate::train::reducer::ownership::Sharding;
 
 /// `DdpLearner`'s settings that every rank must share.
 #[derive(Debug, Clone)]

@@ -9,12 +9,12 @@ use burn::optim::lr_scheduler::module_lr_scheduler::ModuleLearningRate;
 use burn::tensor::Device;
 use burn::train::{EventProcessorError, Interrupter, LearnerEvent, TrainingItem};
 
-use super::DdpStrategy;
-use super::step::{Batch, StepResult};
 use crate::collectives::ReduceOp;
 use crate::error::{DdpError, Result};
-use crate::train::gather::{GlobalItem, PendingItem};
-use crate::train::stop::{StepVote, Stop, Voters};
+use crate::train::learner::step::{Batch, StepResult};
+use crate::train::learner::stop::{StepVote, Stop, Voters};
+use crate::train::learner::strategy::DdpStrategy;
+use crate::train::report::metrics::{GlobalItem, PendingItem};
 use crate::wire::Writer;
 
 /// A step's output on its way to rank 0's event processor.

@@ -17,10 +17,10 @@ use burn::module::list_param_ids;
 use burn::train::metric::store::EventStoreClient;
 use burn::train::{Learner, LearnerModel};
 
-use super::shards::{self, Keyed};
 use super::{Position, Snapshot, SnapshotError};
 use crate::ProcessGroup;
 use crate::error::{DdpError, Result};
+use crate::train::learner::checkpoint::optimizer_records::{self, Keyed};
 use crate::wire::{Reader, Writer};
 
 /// The largest piece a rank sends to rank 0 at once (16 MiB), if the group allows it.
@@ -101,7 +101,7 @@ pub(crate) fn take_merged<M: LearnerModel>(
             ids: &ids,
         }];
         keyed.extend(received.iter().map(|(ids, record)| Keyed { record, ids }));
-        let merged = shards::merge(&keyed, &ids)?;
+        let merged = optimizer_records::merge(&keyed, &ids)?;
         Ok(snapshot.with_optim(merged))
     }))
 }

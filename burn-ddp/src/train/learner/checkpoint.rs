@@ -37,14 +37,14 @@ pub(crate) mod burn_train;
 mod format;
 pub(crate) mod gather;
 mod handover;
-pub(crate) mod shards;
+pub(crate) mod optimizer_records;
 
 pub(crate) use format::checksum;
 
 #[cfg(feature = "test-support")]
 pub use gather::{GatherStats, last_gather};
 
-/// Where and how often [`DdpLearner`](super::DdpLearner) writes checkpoints.
+/// Where and how often [`DdpLearner`](crate::train::DdpLearner) writes checkpoints.
 ///
 /// ```
 /// use burn_ddp::train::CheckpointConfig;
@@ -206,7 +206,7 @@ impl Snapshot {
             .map_err(SnapshotError::ModelMismatch)?;
         learner.load_model(model);
         let optim = match keep(&learner.model()) {
-            Some(ids) => shards::keep(&self.optim, &ids)?,
+            Some(ids) => optimizer_records::keep(&self.optim, &ids)?,
             None => self.optim.clone(),
         };
         let optim = OptimizerRecord::from_bytes(bytes(&optim)).map_err(record("optimizer"))?;

@@ -11,15 +11,15 @@ use burn::train::{
     TrainingComponents,
 };
 
-use super::DdpStrategy;
-use super::shard::Plan;
-use super::train_epoch::TrainEpoch;
-use super::valid_epoch::ValidEpoch;
 use crate::error::Result;
 use crate::status::Phase;
-use crate::train::checkpoint::Position;
-use crate::train::gather::GlobalItem;
-use crate::train::stop::Stop;
+use crate::train::learner::checkpoint::Position;
+use crate::train::learner::loader_shards::Plan;
+use crate::train::learner::stop::Stop;
+use crate::train::learner::strategy::DdpStrategy;
+use crate::train::learner::train_epoch::TrainEpoch;
+use crate::train::learner::valid_epoch::ValidEpoch;
+use crate::train::report::metrics::GlobalItem;
 
 /// The parts of burn-train's `TrainingComponents` the epoch loop uses.
 pub(super) struct EpochLoop<'a, M: LearnerModel> {

@@ -10,10 +10,10 @@
 use burn::tensor::{Device, Int, Tensor, TensorData};
 use burn::train::{ClassificationOutput, RegressionOutput};
 
-use super::telemetry::{JobStats, StepStats};
 use crate::ProcessGroup;
 use crate::collectives::Work;
 use crate::error::{DdpError, Result};
+use crate::train::report::telemetry::{JobStats, StepStats};
 use crate::wire::{DecodeError, Reader, Writer};
 
 /// A training or validation output that can be combined across ranks: each rank encodes its
@@ -193,7 +193,7 @@ impl GlobalItem for RegressionOutput {
     }
 }
 
-/// An output on its way to rank 0, with the step's [telemetry](super::telemetry): gathered in
+/// An output on its way to rank 0, with the step's [telemetry](crate::train::report::telemetry): gathered in
 /// the background while the next step computes.
 pub(crate) enum PendingItem<T> {
     /// A world of one: the output itself (if the step had a batch) and the step's figures.

@@ -2,7 +2,7 @@
 
 use burn::optim::lr_scheduler::module_lr_scheduler::ModuleLearningRate;
 
-use crate::train::telemetry::StepStats;
+use crate::train::report::telemetry::StepStats;
 
 /// What a step of a split works on.
 pub(super) enum Batch<I> {

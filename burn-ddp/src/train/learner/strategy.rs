@@ -6,7 +6,7 @@
 //! As burn-train's own `strategies/ddp/`, one type per file: the strategy here
 //! ([`DdpStrategy`]), the epoch loop (`epochs.rs`), the training and validation passes of an
 //! epoch (`train_epoch.rs`, `valid_epoch.rs`) over one split pass (`split.rs`), what a step
-//! works on and produces (`step.rs`), the loaders' sharding (`shard.rs`) and the training
+//! works on and produces (`step.rs`), the loaders' sharding (`loader_shards.rs`) and the training
 //! state on disk (`state.rs`).
 
 use std::sync::{Arc, Mutex};
@@ -18,27 +18,19 @@ use burn::train::{
     TrainStep, TrainingComponents, ValidLoader,
 };
 
-mod epochs;
-mod shard;
-mod split;
-mod state;
-mod step;
-mod train_epoch;
-mod valid_epoch;
-
-use self::epochs::EpochLoop;
-use self::shard::Split;
-use super::buffers::Buffers;
-use super::checkpoint::burn_train::refuse_in_sharded_run;
-use super::checkpoint::{CheckpointConfig, Position};
-use super::gather::GlobalItem;
-use super::reducer::GradientReducer;
-use super::sampler::DistributedSampler;
-use super::telemetry::Telemetry;
-use super::telemetry::trace::Trace;
+use super::epochs::EpochLoop;
+use super::loader_shards::Split;
 use crate::ProcessGroup;
 use crate::error::{DdpError, Result};
 use crate::signals::StopSignals;
+use crate::train::learner::buffers::Buffers;
+use crate::train::learner::checkpoint::burn_train::refuse_in_sharded_run;
+use crate::train::learner::checkpoint::{CheckpointConfig, Position};
+use crate::train::learner::sampler::DistributedSampler;
+use crate::train::reducer::GradientReducer;
+use crate::train::report::metrics::GlobalItem;
+use crate::train::report::telemetry::Telemetry;
+use crate::train::report::telemetry::trace::Trace;
 
 /// The samplers registered for each split.
 #[derive(Default)]
@@ -52,7 +44,7 @@ pub(crate) struct Samplers {
 impl Samplers {
     /// Sets every sampler's epoch; the training samplers skip the `samples` the job consumed
     /// of a resumed epoch.
-    fn start_epoch(&self, epoch: usize, samples: usize) {
+    pub(super) fn start_epoch(&self, epoch: usize, samples: usize) {
         for s in &self.train {
             s.resume(epoch, samples);
         }
@@ -76,20 +68,20 @@ pub(crate) struct Feeding {
 /// rank and are handed back through [`DdpStrategy::failure`].
 pub(crate) struct DdpStrategy {
     /// First, so dropped first: its watchdog stands down before the group goes.
-    signals: StopSignals,
-    group: Arc<ProcessGroup>,
-    device: Device,
-    reducer: GradientReducer,
-    buffers: Buffers,
-    samplers: Samplers,
-    shard_loaders: bool,
-    uneven: bool,
-    checkpoints: Option<CheckpointConfig>,
-    failure: Arc<Mutex<Option<DdpError>>>,
+    pub(super) signals: StopSignals,
+    pub(super) group: Arc<ProcessGroup>,
+    pub(super) device: Device,
+    pub(super) reducer: GradientReducer,
+    pub(super) buffers: Buffers,
+    pub(super) samplers: Samplers,
+    pub(super) shard_loaders: bool,
+    pub(super) uneven: bool,
+    pub(super) checkpoints: Option<CheckpointConfig>,
+    pub(super) failure: Arc<Mutex<Option<DdpError>>>,
     /// This rank's Chrome trace, if profiling.
-    trace: Option<Arc<Trace>>,
+    pub(super) trace: Option<Arc<Trace>>,
     /// Where rank 0 records each step's figures for the learner's metrics.
-    telemetry: Telemetry,
+    pub(super) telemetry: Telemetry,
 }
 
 impl DdpStrategy {
@@ -124,13 +116,13 @@ impl DdpStrategy {
         self.failure.clone()
     }
 
-    fn is_main(&self) -> bool {
+    pub(super) fn is_main(&self) -> bool {
         self.group.rank() == 0
     }
 
     /// Writes this rank's trace so far, if profiling (a failure to write is logged: it does not
     /// stop training).
-    fn write_trace(&self) {
+    pub(super) fn write_trace(&self) {
         if let Some(trace) = &self.trace
             && let Err(e) = trace.write()
         {
@@ -140,7 +132,7 @@ impl DdpStrategy {
 
     /// Records the first failure and stops the loop. A stop by signal is not a failure: it is
     /// handed back as the outcome without an error in the log.
-    fn fail(&self, interrupter: &Interrupter, error: DdpError) {
+    pub(super) fn fail(&self, interrupter: &Interrupter, error: DdpError) {
         if matches!(error, DdpError::Stopped { .. }) {
             log::warn!("{error}");
             interrupter.stop(None);
@@ -215,7 +207,7 @@ where
 
 impl DdpStrategy {
     /// The epoch loop from `start` (or the error that prevents training).
-    fn fit_from<M>(
+    pub(super) fn fit_from<M>(
         &self,
         components: TrainingComponents<M>,
         mut learner: Learner<M>,

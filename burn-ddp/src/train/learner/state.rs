@@ -4,10 +4,10 @@
 use burn::train::metric::store::EventStoreClient;
 use burn::train::{Learner, LearnerModel};
 
-use super::DdpStrategy;
 use crate::error::{DdpError, Result};
 use crate::status::Phase;
-use crate::train::checkpoint::{self, Position, Snapshot};
+use crate::train::learner::checkpoint::{self, Position, Snapshot};
+use crate::train::learner::strategy::DdpStrategy;
 
 impl DdpStrategy {
     /// Writes a checkpoint (rank 0) at `at`; every rank learns whether it worked.
@@ -52,7 +52,7 @@ impl DdpStrategy {
         }
         let timeout = self.group.options().timeout;
         let counted = Snapshot::take(learner, Position::default(), events, timeout)
-            .and_then(|s| checkpoint::shards::state_bytes(s.optim()));
+            .and_then(|s| checkpoint::optimizer_records::state_bytes(s.optim()));
         match counted {
             Ok(bytes) => self.telemetry.set_optimizer_state(bytes),
             Err(e) => log::warn!(
