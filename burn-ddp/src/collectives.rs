@@ -28,7 +28,6 @@ pub(crate) mod worker;
 use half::{bf16, f16};
 
 pub use buffer::{Broadcastable, Gatherable, Reducible};
-pub use transport::{TRANSPORT_VAR, Transport};
 pub use work::Work;
 
 /// The [`Element`] types a collective can carry, as a value: named in messages and sent as a

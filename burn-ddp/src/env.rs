@@ -11,13 +11,12 @@
 //! PyTorch c10d store at `MASTER_ADDR:MASTER_PORT`: no rank serves one, every rank joins that
 //! store as a client, under a key prefix of the attempt ([`store_namespace`]).
 //!
-//! Every `BURN_DDP_*` variable of the library is read here (the README's table lists them).
+//! Every `BURN_DDP_*` variable of the library is read here (docs/guide/launchers.md lists them).
 
 pub mod slurm;
 
 use std::time::Duration;
 
-use crate::collectives::{TRANSPORT_VAR, Transport};
 use crate::error::{DdpError, Result};
 use crate::secret::{JobSecret, SECRET_VAR};
 use crate::store::StoreKind;
@@ -31,14 +30,58 @@ pub const SOCKET_IFNAME_VAR: &str = "BURN_DDP_SOCKET_IFNAME";
 /// Gloo's name for the same, read when [`SOCKET_IFNAME_VAR`] is unset.
 pub const GLOO_SOCKET_IFNAME_VAR: &str = "GLOO_SOCKET_IFNAME";
 
+/// The environment variable that chooses the transport: `tcp`, `shm` or `auto`.
+pub const TRANSPORT_VAR: &str = "BURN_DDP_TRANSPORT";
+
+/// How the ranks of a group exchange collective data.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Transport {
+    /// Shared memory between the ranks of each host and TCP between hosts, where every host
+    /// has the same number of ranks (two or more); TCP alone otherwise. The default.
+    #[default]
+    Auto,
+    /// The TCP transport, always.
+    Tcp,
+    /// As `Auto`, but forming the group fails where shared memory cannot serve it.
+    Shm,
+}
+
+impl Transport {
+    /// Its name, as `BURN_DDP_TRANSPORT` spells it.
+    pub fn name(self) -> &'static str {
+        match self {
+            Transport::Auto => "auto",
+            Transport::Tcp => "tcp",
+            Transport::Shm => "shm",
+        }
+    }
+}
+
+impl std::fmt::Display for Transport {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl std::str::FromStr for Transport {
+    type Err = String;
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "auto" | "" => Ok(Transport::Auto),
+            "tcp" => Ok(Transport::Tcp),
+            "shm" => Ok(Transport::Shm),
+            _ => Err("tcp, shm or auto".to_string()),
+        }
+    }
+}
+
 /// Set by `burn-ddp-run` in each rank's environment: which restart of the job the rank
 /// belongs to (0: the first start).
 pub const RESTART_COUNT_VAR: &str = "BURN_DDP_RESTART_COUNT";
 /// Set by `burn-ddp-run` in each rank's environment: the launcher's process id, so that a rank
 /// dies with its launcher ([`crate::elastic::die_with_launcher`]).
 pub const LAUNCHER_PID_VAR: &str = "BURN_DDP_LAUNCHER_PID";
-/// How long a silent link may take to fail, in seconds (default 30; see [`link_timeout`]).
-pub const LINK_TIMEOUT_VAR: &str = "BURN_DDP_LINK_TIMEOUT";
+pub use crate::liveness::{LINK_TIMEOUT_VAR, link_timeout};
 
 /// Default rendezvous port, the same as PyTorch's.
 pub const DEFAULT_MASTER_PORT: u16 = 29500;
@@ -377,17 +420,6 @@ pub fn uses_agent_store(get: impl Fn(&str) -> Option<String>) -> Result<bool> {
 /// `/worker/attempt_{n}` for its own keys.
 pub fn store_namespace(restart_count: usize) -> String {
     format!("burn_ddp/attempt_{restart_count}/")
-}
-
-/// How long a link may stay silent (no acknowledgement of data or of keepalive probes) before
-/// its connection fails: `BURN_DDP_LINK_TIMEOUT` seconds (at least 1), or 30.
-pub fn link_timeout() -> Duration {
-    std::env::var(LINK_TIMEOUT_VAR)
-        .ok()
-        .and_then(|v| v.trim().parse::<f64>().ok())
-        .filter(|s| *s >= 1.0)
-        .map(Duration::from_secs_f64)
-        .unwrap_or(Duration::from_secs(30))
 }
 
 /// This process's restart count ([`restart_count_from`] on the process environment; 0 when

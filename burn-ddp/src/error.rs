@@ -4,6 +4,8 @@ use std::fmt;
 use std::io;
 use std::time::Duration;
 
+pub(crate) mod admission;
+
 /// Result alias used throughout burn-ddp.
 pub type Result<T, E = DdpError> = std::result::Result<T, E>;
 
@@ -76,7 +78,7 @@ pub enum DdpError {
         connection: String,
         /// What went wrong.
         #[source]
-        source: crate::secret::AdmissionError,
+        source: admission::AdmissionError,
     },
     /// Waiting for store keys did not finish in time.
     #[error("store at {addr}: timed out after {timeout:?} waiting for {what}")]
@@ -285,7 +287,7 @@ mod tests {
         // One that is not is listed.
         let admission = DdpError::Admission {
             connection: "store at 10.0.0.1:29500".into(),
-            source: crate::secret::AdmissionError::Io {
+            source: admission::AdmissionError::Io {
                 step: "reading the challenge",
                 source: io::Error::other("reset"),
             },

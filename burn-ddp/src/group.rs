@@ -13,8 +13,9 @@ use std::sync::{Arc, Mutex};
 #[cfg(feature = "train")]
 use crate::collectives::agreement::Said;
 use crate::collectives::backends::Backends;
-use crate::collectives::{Broadcastable, Gatherable, ReduceOp, Reducible, Transport, Work};
+use crate::collectives::{Broadcastable, Gatherable, ReduceOp, Reducible, Work};
 use crate::env::LaunchEnv;
+use crate::env::Transport;
 use crate::error::{DdpError, Result};
 use crate::failure::FailureRecord;
 use crate::status::StatusBoard;
@@ -358,4 +359,23 @@ pub(crate) fn thread_world<T: Send>(
             .collect();
         ranks.into_iter().map(|r| r.join().unwrap()).collect()
     })
+}
+
+impl crate::signals::StopSignals {
+    /// [`StopSignals::arm`](crate::signals::StopSignals::arm) for a training loop over `group`,
+    /// with its rank and collective timeout; the time the group's status shows
+    /// [`Phase::Checkpointing`](crate::status::Phase::Checkpointing) does not count toward the
+    /// timeout, as a checkpoint of a large model may take longer than a step (every wait there
+    /// is bounded by the collectives' timeout but writing the file; a rank that hangs writing it
+    /// is left to the launcher's grace, or the cluster's, after the signal).
+    pub fn arm_for(group: &Arc<ProcessGroup>) -> Result<Self> {
+        let weak = Arc::downgrade(group);
+        let busy = move || {
+            weak.upgrade()
+                .is_some_and(|g| g.status().current().phase == crate::status::Phase::Checkpointing)
+        };
+        let timeout = group.options().timeout;
+        Self::arm_busy(group.rank(), timeout, Some(Box::new(busy)))
+            .map_err(|e| DdpError::io("arming the stop signals", e))
+    }
 }

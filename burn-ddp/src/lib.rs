@@ -84,7 +84,7 @@ mod wire;
 
 // `DType` and `Element` stay in `collectives`: at the root they would shadow burn's own names.
 pub use collectives::{Broadcastable, Gatherable, Reduce, ReduceOp, Reducible, Work};
-pub use collectives::{TRANSPORT_VAR, Transport};
+pub use env::{TRANSPORT_VAR, Transport};
 pub use error::{DdpError, Result};
 pub use group::{
     GroupOptions, ProcessGroup, ProcessGroupBuilder, init_process_group, init_process_group_with,

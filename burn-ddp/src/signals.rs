@@ -20,15 +20,12 @@
 //! and they are installed only once the thread that reads them exists (handlers without a reader
 //! would swallow every signal).
 
+use std::io;
 use std::io::Write;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, OnceLock};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
-
-use crate::ProcessGroup;
-use crate::error::{DdpError, Result};
-use crate::status::Phase;
 
 /// The signals that request a graceful stop.
 #[cfg(unix)]
@@ -73,14 +70,14 @@ static INSTALLED: OnceLock<std::io::Result<()>> = OnceLock::new();
 /// with [`exit_code`] (the signals' default action). The handlers are installed by the first
 /// call and stay for the process's life; a signal that arrives while they are being installed
 /// reaches `listener`.
-pub fn subscribe(listener: impl Fn(i32) + Send + Sync + 'static) -> Result<Subscription> {
+pub fn subscribe(listener: impl Fn(i32) + Send + Sync + 'static) -> io::Result<Subscription> {
     let id = NEXT_ID.fetch_add(1, Ordering::Relaxed);
     crate::sync::lock(&LISTENERS).push((id, Arc::new(listener)));
     // Dropped (so unregistered) on the way out if the handlers cannot be installed.
     let subscription = Subscription { id };
     if let Err(e) = INSTALLED.get_or_init(install) {
-        let e = std::io::Error::new(e.kind(), e.to_string());
-        return Err(DdpError::io("installing signal handlers", e));
+        let why = format!("installing signal handlers: {e}");
+        return Err(io::Error::new(e.kind(), why));
     }
     Ok(subscription)
 }
@@ -216,7 +213,7 @@ pub struct StopSignals {
 }
 
 /// Whether the rank is busy with something that does not count toward the watchdog's timeout.
-type Busy = Box<dyn Fn() -> bool + Send + Sync>;
+pub(crate) type Busy = Box<dyn Fn() -> bool + Send + Sync>;
 
 /// How often the watchdog asks whether the rank is busy (when it can be).
 const BUSY_POLL: Duration = Duration::from_millis(100);
@@ -249,26 +246,13 @@ impl StopSignals {
     /// Listens for stop signals on behalf of `rank`'s training loop; an agreement must follow
     /// the first signal within `timeout`, or the process exits. Stops listening (and the
     /// watchdog stands down) when dropped.
-    pub fn arm(rank: usize, timeout: Duration) -> Result<Self> {
+    pub fn arm(rank: usize, timeout: Duration) -> io::Result<Self> {
         Self::arm_busy(rank, timeout, None)
     }
 
-    /// [`StopSignals::arm`] for a training loop over `group`, with its rank and collective
-    /// timeout; the time the group's status shows [`Phase::Checkpointing`] does not count
-    /// toward the timeout, as a checkpoint of a large model may take longer than a step (every
-    /// wait there is bounded by the collectives' timeout but writing the file; a rank that hangs
-    /// writing it is left to the launcher's grace, or the cluster's, after the signal).
-    pub fn arm_for(group: &Arc<ProcessGroup>) -> Result<Self> {
-        let weak = Arc::downgrade(group);
-        let busy = move || {
-            weak.upgrade()
-                .is_some_and(|g| g.status().current().phase == Phase::Checkpointing)
-        };
-        let timeout = group.options().timeout;
-        Self::arm_busy(group.rank(), timeout, Some(Box::new(busy)))
-    }
-
-    fn arm_busy(rank: usize, timeout: Duration, busy: Option<Busy>) -> Result<Self> {
+    /// [`StopSignals::arm`], where the time `busy` returns true (a checkpoint being written)
+    /// does not count toward the timeout.
+    pub(crate) fn arm_busy(rank: usize, timeout: Duration, busy: Option<Busy>) -> io::Result<Self> {
         let state = Arc::new(StopState {
             rank,
             timeout,

@@ -3,30 +3,16 @@
 //! namespaces on one Linux machine). Behind the `test-support` feature, hidden from the docs;
 //! it may change in any release.
 
-use std::sync::Mutex;
 use std::time::Duration;
 
 use crate::status::RankStatus;
-
-/// The leave windows set by [`widen_leave_window`], by master port.
-static LEAVE_WINDOWS: Mutex<Vec<(u16, Duration)>> = Mutex::new(Vec::new());
 
 /// Makes the shared-memory waits of the groups formed later on master port `port` pause for
 /// `pause` between reading a peer's step counter and checking its connection: the window in
 /// which a peer that finished the step may return and leave, made wide. Only that job's groups
 /// are affected, so tests running beside it are not.
 pub fn widen_leave_window(port: u16, pause: Duration) {
-    let mut windows = crate::sync::lock(&LEAVE_WINDOWS);
-    windows.retain(|(p, _)| *p != port);
-    windows.push((port, pause));
-}
-
-/// The pause set for master port `port` (zero if none).
-pub(crate) fn leave_window(port: u16) -> Duration {
-    let windows = crate::sync::lock(&LEAVE_WINDOWS);
-    (windows.iter())
-        .find(|(p, _)| *p == port)
-        .map_or(Duration::ZERO, |(_, d)| *d)
+    crate::collectives::transport::shm::setup::widen_leave_window(port, pause);
 }
 
 #[cfg(target_os = "linux")]

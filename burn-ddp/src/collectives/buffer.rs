@@ -11,24 +11,22 @@ use burn::tensor::Tensor;
 use super::backend::{Request, one};
 use super::backends::Backends;
 use super::{Element, Reduce, ReduceOp, Work};
-#[cfg(doc)]
-use crate::ProcessGroup;
 
 pub(crate) mod sealed {
     /// Keeps the buffer traits closed: the group knows how to move each of them.
     pub trait Sealed {}
 }
 
-/// A buffer [`ProcessGroup::all_reduce`] and [`ProcessGroup::reduce_scatter`] can reduce:
+/// A buffer [`ProcessGroup::all_reduce`](crate::ProcessGroup::all_reduce) and [`ProcessGroup::reduce_scatter`](crate::ProcessGroup::reduce_scatter) can reduce:
 /// `Vec<T>` of a [`Reduce`] element type, or (feature `train`) a flat burn `Tensor<1>` of floats
 /// on any device.
 pub trait Reducible: sealed::Sealed + Sized + Send + 'static {
-    /// Starts the all-reduce of `self` by its backend (use [`ProcessGroup::all_reduce`]).
+    /// Starts the all-reduce of `self` by its backend (use [`ProcessGroup::all_reduce`](crate::ProcessGroup::all_reduce)).
     #[doc(hidden)]
     fn start_all_reduce(self, backends: &Backends, op: ReduceOp) -> Work<Self>;
     /// Starts the reduce-scatter of `self` cut into `parts` (element counts by rank, checked
     /// to sum to its length by the backend); the result is this rank's part (use
-    /// [`ProcessGroup::reduce_scatter`]).
+    /// [`ProcessGroup::reduce_scatter`](crate::ProcessGroup::reduce_scatter)).
     #[doc(hidden)]
     fn start_reduce_scatter(
         self,
@@ -41,20 +39,20 @@ pub trait Reducible: sealed::Sealed + Sized + Send + 'static {
     fn elements(&self) -> usize;
 }
 
-/// A buffer [`ProcessGroup::broadcast`] can send: `Vec<T>` of an element type, or (feature
+/// A buffer [`ProcessGroup::broadcast`](crate::ProcessGroup::broadcast) can send: `Vec<T>` of an element type, or (feature
 /// `train`) a flat burn `Tensor<1>` on any device.
 pub trait Broadcastable: sealed::Sealed + Sized + Send + 'static {
-    /// Starts the broadcast of `self` from `root` (use [`ProcessGroup::broadcast`]).
+    /// Starts the broadcast of `self` from `root` (use [`ProcessGroup::broadcast`](crate::ProcessGroup::broadcast)).
     #[doc(hidden)]
     fn start_broadcast(self, backends: &Backends, root: usize) -> Work<Self>;
 }
 
-/// A buffer [`ProcessGroup::all_gather`] can gather: `Vec<u8>` (lengths may differ between
+/// A buffer [`ProcessGroup::all_gather`](crate::ProcessGroup::all_gather) can gather: `Vec<u8>` (lengths may differ between
 /// ranks), or (feature `train`) a flat burn `Tensor<1>` (the same length on every rank).
 pub trait Gatherable: sealed::Sealed + Sized + Send + 'static {
     /// What the gather returns: every rank's buffer, indexed by rank.
     type Gathered: Send + 'static;
-    /// Starts the all-gather of `self` (use [`ProcessGroup::all_gather`]).
+    /// Starts the all-gather of `self` (use [`ProcessGroup::all_gather`](crate::ProcessGroup::all_gather)).
     #[doc(hidden)]
     fn start_all_gather(self, backends: &Backends) -> Work<Self::Gathered>;
 }

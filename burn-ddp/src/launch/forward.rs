@@ -32,7 +32,8 @@ impl Forwarder {
     pub(crate) fn start() -> Result<Self> {
         let state = Arc::new(State::default());
         let listener = state.clone();
-        let subscription = subscribe(move |signal| listener.on_signal(signal))?;
+        let subscription = subscribe(move |signal| listener.on_signal(signal))
+            .map_err(|e| crate::error::DdpError::io("forwarding stop signals", e))?;
         Ok(Forwarder {
             state,
             _subscription: subscription,

@@ -20,7 +20,7 @@ use super::ShmChannel;
 use super::handoff;
 use super::mapping::Mapping;
 use super::segment::{self, Layout};
-use crate::collectives::{TRANSPORT_VAR, Transport};
+use crate::env::{TRANSPORT_VAR, Transport};
 use crate::error::{DdpError, Result};
 use crate::secret::JobSecret;
 use crate::store::{Store, keys};
@@ -167,7 +167,7 @@ pub(crate) fn negotiate(
             let mut channel =
                 ShmChannel::new(local, hosts[host].clone(), hosts.len(), map, layout, timing);
             #[cfg(feature = "test-support")]
-            channel.widen_leave_window(crate::testing::leave_window(req.port));
+            channel.widen_leave_window(leave_window(req.port));
             Ok(Some(ShmSetup { channel, across }))
         }
         Err(why) => without(why, log::Level::Warn),
@@ -271,6 +271,28 @@ fn gather(store: &Store, prefix: &str, world: usize, deadline: Instant) -> Resul
         .iter()
         .map(|k| Ok(String::from_utf8_lossy(&store.get(k)?).into_owned()))
         .collect()
+}
+
+/// The leave windows set by [`widen_leave_window`], by master port (feature `test-support`).
+#[cfg(feature = "test-support")]
+static LEAVE_WINDOWS: std::sync::Mutex<Vec<(u16, Duration)>> = std::sync::Mutex::new(Vec::new());
+
+/// Makes the groups formed later on master port `port` pause for `pause` between reading a
+/// peer's step counter and checking its connection (`burn_ddp::testing::widen_leave_window`).
+#[cfg(feature = "test-support")]
+pub(crate) fn widen_leave_window(port: u16, pause: Duration) {
+    let mut windows = crate::sync::lock(&LEAVE_WINDOWS);
+    windows.retain(|(p, _)| *p != port);
+    windows.push((port, pause));
+}
+
+/// The pause set for master port `port` (zero if none).
+#[cfg(feature = "test-support")]
+fn leave_window(port: u16) -> Duration {
+    let windows = crate::sync::lock(&LEAVE_WINDOWS);
+    (windows.iter())
+        .find(|(p, _)| *p == port)
+        .map_or(Duration::ZERO, |(_, d)| *d)
 }
 
 #[cfg(test)]
