@@ -11,7 +11,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 #[cfg(feature = "train")]
-use crate::collectives::agreement::Said;
+use crate::collectives::agreement::Gathered;
 use crate::collectives::backends::Backends;
 use crate::collectives::{Broadcastable, Gatherable, ReduceOp, Reducible, Work};
 use crate::env::LaunchEnv;
@@ -181,10 +181,10 @@ impl ProcessGroup {
     }
 
     /// Gathers every rank's `mine` (a description of something every rank must agree on):
-    /// the one way the ranks compare what they say ([`Said::differing`]).
+    /// the one way the ranks compare what they say ([`Gathered::differing`]).
     #[cfg(feature = "train")]
-    pub(crate) fn gather_said(&self, mine: Vec<u8>) -> Result<Said> {
-        self.backends.host().gather_said(mine)
+    pub(crate) fn all_gather_object(&self, mine: Vec<u8>) -> Result<Gathered> {
+        self.backends.host().all_gather_object(mine)
     }
 
     /// Starts an all-reduce of `data`; [`Work::wait`] returns the reduced buffer, identical on

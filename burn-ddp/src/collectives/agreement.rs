@@ -1,7 +1,7 @@
 //! The one way the ranks tell each other something and check that they agree: every rank's
 //! message, encoded with [`Writer`](crate::wire::Writer), gathered (one all-gather) into a
-//! [`Said`], then compared with rank 0's ([`Said::differing`]) or decoded rank by rank
-//! ([`Said::decode_each`]). Every rank sees the same gathered bytes, so every rank finds the
+//! [`Gathered`], then compared with rank 0's ([`Gathered::differing`]) or decoded rank by rank
+//! ([`Gathered::decode_each`]). Every rank sees the same gathered bytes, so every rank finds the
 //! same disagreement (or the same malformed message) and fails alike, naming the same ranks.
 
 use super::queue::Queue;
@@ -10,12 +10,12 @@ use crate::error::{DdpError, Result};
 use crate::wire::{DecodeError, Reader};
 
 /// Every rank's description of one thing, by rank.
-pub(crate) struct Said {
+pub(crate) struct Gathered {
     /// The descriptions, by rank.
     pub all: Vec<Vec<u8>>,
 }
 
-impl Said {
+impl Gathered {
     /// The ranks whose description differs from rank 0's.
     pub(crate) fn differing(&self) -> Vec<usize> {
         (1..self.all.len())
@@ -44,20 +44,20 @@ impl Said {
 
 impl Queue {
     /// Gathers every rank's `mine` (a description of something every rank must agree on).
-    pub(crate) fn gather_said(&self, mine: Vec<u8>) -> Result<Said> {
+    pub(crate) fn all_gather_object(&self, mine: Vec<u8>) -> Result<Gathered> {
         if self.world() == 1 {
-            return Ok(Said { all: vec![mine] });
+            return Ok(Gathered { all: vec![mine] });
         }
-        Ok(Said {
+        Ok(Gathered {
             all: self.submit(move |t| t.all_gather(&mine)).wait()?,
         })
     }
 }
 
 impl Worker {
-    /// As [`Queue::gather_said`], on the collective thread.
-    pub(crate) fn gather_said(&mut self, mine: &[u8]) -> Result<Said> {
-        Ok(Said {
+    /// As [`Queue::all_gather_object`], on the collective thread.
+    pub(crate) fn all_gather_object(&mut self, mine: &[u8]) -> Result<Gathered> {
+        Ok(Gathered {
             all: self.run(|t| t.all_gather(mine))?,
         })
     }
@@ -69,7 +69,7 @@ mod tests {
 
     #[test]
     fn ranks_are_compared_with_rank_0() {
-        let said = |all: &[&[u8]]| Said {
+        let said = |all: &[&[u8]]| Gathered {
             all: all.iter().map(|b| b.to_vec()).collect(),
         };
         assert_eq!(said(&[b"a", b"a", b"a"]).differing(), Vec::<usize>::new());
@@ -77,12 +77,12 @@ mod tests {
         assert_eq!(said(&[b"a", b"a", b"c"]).differing(), vec![2]);
         assert_eq!(said(&[b"x"]).differing(), Vec::<usize>::new());
         let counts = [7u64.to_le_bytes().to_vec(), 9u64.to_le_bytes().to_vec()];
-        let decoded = Said {
+        let decoded = Gathered {
             all: counts.to_vec(),
         }
         .decode_each("counts", |r| r.u64());
         assert_eq!(decoded.unwrap(), vec![7, 9]);
-        let short = Said {
+        let short = Gathered {
             all: vec![counts[0].clone(), vec![1, 2, 3]],
         };
         let error = short.decode_each("counts", |r| r.u64()).unwrap_err();
@@ -90,7 +90,7 @@ mod tests {
             error.to_string().contains("rank 1 sent malformed counts"),
             "{error}"
         );
-        let long = Said {
+        let long = Gathered {
             all: vec![[counts[0].clone(), vec![0]].concat()],
         };
         assert!(long.decode_each("counts", |r| r.u64()).is_err());

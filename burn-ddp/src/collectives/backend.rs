@@ -212,7 +212,7 @@ fn agree(w: &mut Worker, kind: Kind, device: &str) -> Result<()> {
         .bytes(device.as_bytes())
         .buf
         .clone();
-    let said = w.gather_said(&mine)?;
+    let said = w.all_gather_object(&mine)?;
     let described = |r: usize| {
         let mut reader = Reader::new(&said.all[r]);
         let code = reader.u8().ok();

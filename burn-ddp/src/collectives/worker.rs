@@ -21,9 +21,9 @@ use crate::store::Store;
 /// An operation queued for the collective thread.
 pub(crate) type Job = Box<dyn FnOnce(&mut Worker) + Send>;
 
-/// What a wait outside the transport learned of the group (see [`Worker::failure_elsewhere`]).
+/// What a wait outside the transport learned of the group (see [`Worker::remote_failure`]).
 #[cfg(feature = "nccl")]
-pub(crate) enum Elsewhere {
+pub(crate) enum RemoteFailure {
     /// A peer's connection closed without a goodbye.
     Peer {
         /// The peer.
@@ -36,11 +36,11 @@ pub(crate) enum Elsewhere {
 }
 
 #[cfg(feature = "nccl")]
-impl std::fmt::Display for Elsewhere {
+impl std::fmt::Display for RemoteFailure {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
-            Elsewhere::Peer { detail, .. } => f.write_str(detail),
-            Elsewhere::Recorded(cause) => write!(f, "the group failed: {cause}"),
+            RemoteFailure::Peer { detail, .. } => f.write_str(detail),
+            RemoteFailure::Recorded(cause) => write!(f, "the group failed: {cause}"),
         }
     }
 }
@@ -148,21 +148,21 @@ impl Worker {
     /// For a wait outside the transport (NCCL's), asked while it waits: a peer whose connection
     /// closed without a goodbye, or a failure another rank recorded.
     #[cfg(feature = "nccl")]
-    pub(crate) fn failure_elsewhere(&self) -> Option<Elsewhere> {
+    pub(crate) fn remote_failure(&self) -> Option<RemoteFailure> {
         if let Some((culprit, detail)) = self.transport.dead_peer() {
-            return Some(Elsewhere::Peer { culprit, detail });
+            return Some(RemoteFailure::Peer { culprit, detail });
         }
-        FailureRecord::read(&self.store).map(|r| Elsewhere::Recorded(r.cause))
+        FailureRecord::read(&self.store).map(|r| RemoteFailure::Recorded(r.cause))
     }
 
-    /// The group's error for `op`, stopped by what [`Worker::failure_elsewhere`] found: a dead
+    /// The group's error for `op`, stopped by what [`Worker::remote_failure`] found: a dead
     /// peer is recorded as the culprit (unless a failure was recorded first), a recorded
     /// failure is the cause.
     #[cfg(feature = "nccl")]
-    pub(crate) fn failed_elsewhere(&mut self, op: String, found: Elsewhere) -> DdpError {
+    pub(crate) fn failed_remotely(&mut self, op: String, found: RemoteFailure) -> DdpError {
         match found {
-            Elsewhere::Peer { culprit, detail } => self.peer_failed(culprit, detail, op),
-            Elsewhere::Recorded(cause) => {
+            RemoteFailure::Peer { culprit, detail } => self.peer_failed(culprit, detail, op),
+            RemoteFailure::Recorded(cause) => {
                 let cause = self.abort(FailureRecord {
                     culprit: None,
                     cause,

@@ -11,7 +11,7 @@
 //!
 //! With the gradients sharded ([`Sharding::OptimizerAndGradients`]) each bucket is
 //! reduce-scattered into its owners' parts instead, and each rank unpacks its own part; the
-//! tails then travel apart as with compression, so that every rank checks all of them and all
+//! trailers then travel apart as with compression, so that every rank checks all of them and all
 //! take the same decision (a desync, a skipped step).
 //!
 //! With [compression](crate::train::reducer::compression) the buckets hold only gradients, in a 16-bit format,
@@ -50,7 +50,7 @@ use burn::optim::GradientsParams;
 use burn::tensor::{Device, Tensor, TensorData};
 
 use self::receive::average;
-use self::visit::{Give, take_gradients};
+use self::visit::{RegisterGradients, take_gradients};
 use crate::ProcessGroup;
 use crate::collectives::ReduceOp;
 use crate::error::Result;
@@ -93,8 +93,8 @@ struct Sending<'a> {
     device: &'a Device,
     /// The owners' parts when buckets are reduce-scattered.
     scatter: Option<&'a Owners>,
-    /// Whether the tails travel apart from their buckets (compressed or scattered).
-    tails_apart: bool,
+    /// Whether the trailers travel apart from their buckets (compressed or scattered).
+    trailers_apart: bool,
     trace: Option<&'a Trace>,
 }
 
@@ -169,9 +169,9 @@ impl GradientReducer {
         self
     }
 
-    /// Values of bucket `b`'s tail: presence flags, then the fingerprint, then one non-finite
+    /// Values of bucket `b`'s trailer: presence flags, then the fingerprint, then one non-finite
     /// slot per rank.
-    fn tail_len(&self, b: usize) -> usize {
+    fn trailer_len(&self, b: usize) -> usize {
         let fingerprint = if self.check { FINGERPRINT_LEN } else { 0 };
         let slots = if self.non_finite.checks() {
             self.group.world_size()
@@ -186,7 +186,7 @@ impl GradientReducer {
     pub fn bytes_per_step(&self) -> usize {
         let per_value = self.compression.bytes_per_value();
         (self.plan.buckets.iter().enumerate())
-            .map(|(i, b)| b.len * per_value + self.tail_len(i) * 4)
+            .map(|(i, b)| b.len * per_value + self.trailer_len(i) * 4)
             .sum()
     }
 
@@ -244,36 +244,36 @@ impl GradientReducer {
             (Some(owners), Sharding::OptimizerAndGradients) => Some(owners),
             _ => None,
         };
-        // Compressed or scattered: the tails of all buckets, for one f32 all-reduce after the
+        // Compressed or scattered: the trailers of all buckets, for one f32 all-reduce after the
         // buckets (every rank needs all of them).
-        let tails_apart = compressed || scatter.is_some();
+        let trailers_apart = compressed || scatter.is_some();
         let sending = Sending {
             at,
             device: &device,
             scatter,
-            tails_apart,
+            trailers_apart,
             trace,
         };
-        let (pending, tails) = self.send_buckets(&sending, &mut flat, &mut stats)?;
+        let (pending, trailers) = self.send_buckets(&sending, &mut flat, &mut stats)?;
         let first_sent = pending.first().map(|(_, sent)| *sent);
-        let tails = tails_apart.then(|| self.group.all_reduce(tails, ReduceOp::Sum));
+        let trailers = trailers_apart.then(|| self.group.all_reduce(trailers, ReduceOp::Sum));
         let summed = self.wait_buckets(pending, trace, &mut stats)?;
         let unpacking = Instant::now();
-        let (averaged, tails) = match tails {
+        let (averaged, trailers) = match trailers {
             // Compressed buckets were divided by the world size before they travelled.
             Some(work) if compressed => (summed, work.wait()?),
             Some(work) => (average(summed, self.group.world_size()), work.wait()?),
-            None => self.split_tails(summed)?,
+            None => self.split_trailers(summed)?,
         };
         // The elements of each bucket this rank received: its part, or all of it.
         let windows: Vec<_> = (0..n)
             .map(|b| scatter.map_or(0..self.plan.buckets[b].len, |o| o.window(b)))
             .collect();
-        let mut reduced = self.unpack(at, averaged, &windows, &tails)?;
+        let mut reduced = self.unpack(at, averaged, &windows, &trailers)?;
         if let Some(owners) = &self.owners {
             owners.keep_own(&mut reduced);
         }
-        model.visit(&mut Give {
+        model.visit(&mut RegisterGradients {
             grads: &mut grads,
             flat: reduced.into_iter(),
         });
@@ -286,8 +286,8 @@ impl GradientReducer {
     }
 
     /// Packs every bucket and starts its reduction (an all-reduce, or a reduce-scatter into
-    /// its owners' parts), in plan order; each bucket's tail goes with it, or into the returned
-    /// tails when they travel apart. Adds the packing time to `stats.pack`.
+    /// its owners' parts), in plan order; each bucket's trailer goes with it, or into the returned
+    /// trailers when they travel apart. Adds the packing time to `stats.pack`.
     fn send_buckets(
         &self,
         how: &Sending<'_>,
@@ -296,15 +296,15 @@ impl GradientReducer {
     ) -> Result<(Vec<InFlight>, Vec<f32>)> {
         let n = self.plan.buckets.len();
         let mut pending = Vec::with_capacity(n);
-        let mut tails = Vec::new();
+        let mut trailers = Vec::new();
         for b in 0..n {
             let packing = Instant::now();
-            let (mut parts, tail) = self.pack(b, how.at, flat, how.device)?;
-            if how.tails_apart {
-                tails.extend(tail);
+            let (mut parts, trailer) = self.pack(b, how.at, flat, how.device)?;
+            if how.trailers_apart {
+                trailers.extend(trailer);
             } else {
-                let n = tail.len();
-                parts.push(Tensor::from_data(TensorData::new(tail, [n]), how.device));
+                let n = trailer.len();
+                parts.push(Tensor::from_data(TensorData::new(trailer, [n]), how.device));
             }
             let bucket = Tensor::cat(parts, 0);
             let sent = Instant::now();
@@ -316,7 +316,7 @@ impl GradientReducer {
             let work = (self.compression).start(&self.group, bucket, parts_b, how.device)?;
             pending.push((work, sent));
         }
-        Ok((pending, tails))
+        Ok((pending, trailers))
     }
 
     fn fingerprint(&self, b: usize, (epoch, step): (usize, usize)) -> Fingerprint {
@@ -328,7 +328,7 @@ impl GradientReducer {
         }
     }
 
-    /// Bucket `b`'s gradients on the device (zeros where missing), in plan order, and its tail:
+    /// Bucket `b`'s gradients on the device (zeros where missing), in plan order, and its trailer:
     /// one presence flag per parameter, the fingerprint, this rank's non-finite slots.
     fn pack(
         &self,
@@ -338,28 +338,28 @@ impl GradientReducer {
         device: &Device,
     ) -> Result<(Vec<Tensor<1>>, Vec<f32>)> {
         let bucket = &self.plan.buckets[b];
-        let mut tail = Vec::with_capacity(self.tail_len(b));
+        let mut trailer = Vec::with_capacity(self.trailer_len(b));
         let parts: Vec<Tensor<1>> = bucket
             .params
             .iter()
             .map(|&p| match flat[p].take() {
                 Some(g) => {
-                    tail.push(1.0f32);
+                    trailer.push(1.0f32);
                     g
                 }
                 None => {
-                    tail.push(0.0);
+                    trailer.push(0.0);
                     Tensor::zeros([self.params[p].numel()], device)
                 }
             })
             .collect();
         if self.check {
-            tail.extend(self.fingerprint(b, at).values());
+            trailer.extend(self.fingerprint(b, at).values());
         }
         if self.non_finite.checks() {
             let (rank, world) = (self.group.rank(), self.group.world_size());
-            tail.extend(NonFinite::slots(&parts, rank, world)?);
+            trailer.extend(NonFinite::slots(&parts, rank, world)?);
         }
-        Ok((parts, tail))
+        Ok((parts, trailer))
     }
 }

@@ -21,7 +21,7 @@ use burn_ddp_nccl::{NcclComm, NcclError, Pending};
 use super::Request;
 use super::plan::{self, Call, Plan};
 use crate::collectives::queue::Queue;
-use crate::collectives::worker::{Elsewhere, Worker};
+use crate::collectives::worker::{RemoteFailure, Worker};
 use crate::collectives::{ReduceOp, Work};
 use crate::error::{DdpError, Result};
 use crate::wire::{Reader, Writer};
@@ -82,9 +82,9 @@ fn decode_id(message: &[u8]) -> std::result::Result<[u8; 128], String> {
     }
 }
 
-/// The watch of a wait: what [`Worker::failure_elsewhere`] finds, kept in `found` for the error.
-fn watch(w: &Worker, found: &mut Option<Elsewhere>) -> Option<String> {
-    let elsewhere = w.failure_elsewhere()?;
+/// The watch of a wait: what [`Worker::remote_failure`] finds, kept in `found` for the error.
+fn watch(w: &Worker, found: &mut Option<RemoteFailure>) -> Option<String> {
+    let elsewhere = w.remote_failure()?;
     let reason = elsewhere.to_string();
     *found = Some(elsewhere);
     Some(reason)
@@ -93,10 +93,10 @@ fn watch(w: &Worker, found: &mut Option<Elsewhere>) -> Option<String> {
 /// The group's error for `op` that failed with `e`: a failure found elsewhere names its cause
 /// (a dead peer, or what another rank recorded); only a failure found nowhere else is recorded
 /// as this rank's own, so the peers stop too.
-fn failed(w: &mut Worker, op: String, e: NcclError, found: Option<Elsewhere>) -> DdpError {
-    let found = cause_elsewhere(&e, found, burn_ddp_nccl::GRACE, || w.failure_elsewhere());
+fn failed(w: &mut Worker, op: String, e: NcclError, found: Option<RemoteFailure>) -> DdpError {
+    let found = remote_cause(&e, found, burn_ddp_nccl::GRACE, || w.remote_failure());
     match found {
-        Some(elsewhere) => w.failed_elsewhere(op, elsewhere),
+        Some(elsewhere) => w.failed_remotely(op, elsewhere),
         None => w.fail_here(op, e.to_string()),
     }
 }
@@ -107,7 +107,7 @@ fn failed(w: &mut Worker, op: String, e: NcclError, found: Option<Elsewhere>) ->
 /// fail here within a millisecond (`ncclRemoteError`), before the watch, asked every
 /// [`burn_ddp_nccl::WATCH_INTERVAL`], sees the peer's connection close: without the grace this
 /// rank would record itself as the culprit.
-fn cause_elsewhere<E>(
+fn remote_cause<E>(
     e: &NcclError,
     found: Option<E>,
     grace: Duration,
@@ -218,7 +218,7 @@ mod tests {
     #[test]
     fn an_nccl_error_looks_for_the_peer_that_caused_it() {
         let mut asked = 0;
-        let found = cause_elsewhere(&nccl_error("remote process exited"), None, GRACE, || {
+        let found = remote_cause(&nccl_error("remote process exited"), None, GRACE, || {
             asked += 1;
             (asked == 3).then_some("rank 1 died")
         });
@@ -229,10 +229,10 @@ mod tests {
             op: "all_reduce".into(),
             timeout: Duration::from_secs(1),
         };
-        assert_eq!(cause_elsewhere(&timeout, None, GRACE, || Some(2)), Some(2));
+        assert_eq!(remote_cause(&timeout, None, GRACE, || Some(2)), Some(2));
         // What the watch found stands; nothing else is asked.
         let mut asked = false;
-        let kept = cause_elsewhere(&nccl_error("x"), Some(7), GRACE, || {
+        let kept = remote_cause(&nccl_error("x"), Some(7), GRACE, || {
             asked = true;
             Some(8)
         });
@@ -247,11 +247,11 @@ mod tests {
             rank: 0,
             reason: "not contiguous".into(),
         };
-        assert_eq!(cause_elsewhere(&tensor, None, GRACE, || Some(1)), None);
+        assert_eq!(remote_cause(&tensor, None, GRACE, || Some(1)), None);
         let start = Instant::now();
         let grace = Duration::from_millis(60);
         assert_eq!(
-            cause_elsewhere(&nccl_error("x"), None, grace, || None::<u8>),
+            remote_cause(&nccl_error("x"), None, grace, || None::<u8>),
             None
         );
         let took = start.elapsed();

@@ -21,7 +21,7 @@ use burn::tensor::{DType, Device, Tensor};
 
 use super::slices::{concat, cut, empty};
 use super::{Request, invalid};
-use crate::collectives::agreement::Said;
+use crate::collectives::agreement::Gathered;
 use crate::collectives::queue::Queue;
 use crate::collectives::worker::Worker;
 use crate::collectives::{ReduceOp, Work};
@@ -178,7 +178,7 @@ impl Plan {
     /// Checks every rank's message (gathered by [`Plan::message`]): the first rank whose request
     /// differs from rank 0's, or whose own request is invalid, fails the collective on every
     /// rank with the same words.
-    fn agree(&self, said: &Said) -> Result<()> {
+    fn agree(&self, said: &Gathered) -> Result<()> {
         let all = said.decode_each("a collective's description", |r| {
             Ok((r.string()?, r.string()?))
         })?;
@@ -242,7 +242,7 @@ pub(crate) fn run<S: Send + 'static, T: Send + 'static>(
     let plan = Plan::new(&request, queue.rank(), queue.world(), &tensor);
     let started = (plan.call.zip(plan.input(tensor))).map(|(call, input)| begin(call, input));
     queue.on_worker(move |w| {
-        let said = w.gather_said(&plan.message())?;
+        let said = w.all_gather_object(&plan.message())?;
         plan.agree(&said)?;
         let output = match started {
             Some(started) => Some(finish(w, &plan, started)?),

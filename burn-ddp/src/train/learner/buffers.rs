@@ -150,7 +150,7 @@ pub(crate) fn check_replicas(group: &ProcessGroup, values: &[f32], when: &str) -
         .u64(checksum(bytemuck::cast_slice(values)))
         .buf
         .clone();
-    let differ = group.gather_said(hash)?.differing();
+    let differ = group.all_gather_object(hash)?.differing();
     if differ.is_empty() {
         return Ok(());
     }

@@ -34,9 +34,9 @@ use crate::wire::{DecodeError, Reader, Writer};
 pub const CHECKPOINT_FILE: &str = "checkpoint.bddp";
 
 pub(crate) mod burn_train;
+mod capture;
 mod format;
 pub(crate) mod gather;
-mod handover;
 pub(crate) mod optimizer_records;
 
 pub(crate) use format::checksum;
@@ -288,7 +288,7 @@ pub(crate) fn save(
 /// did; only rank 0's counts), so a failure stops every rank with rank 0's reason.
 fn rank_0_outcome(group: &ProcessGroup, verb: &str, problem: String) -> Result<()> {
     let mine = Writer::default().bytes(problem.as_bytes()).buf.clone();
-    let said = group.gather_said(mine)?;
+    let said = group.all_gather_object(mine)?;
     let problems = said.decode_each("a checkpoint outcome", |r| r.string())?;
     match problems.first().filter(|e| !e.is_empty()) {
         None => Ok(()),

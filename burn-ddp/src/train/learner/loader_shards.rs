@@ -133,7 +133,7 @@ impl DdpStrategy {
         let mut mine = Writer::default();
         train_counts.encode(&mut mine);
         valid_counts.encode(&mut mine);
-        let said = self.group.gather_said(mine.buf)?;
+        let said = self.group.all_gather_object(mine.buf)?;
         let decode = |r: &mut Reader<'_>| Ok((Counts::decode(r)?, Counts::decode(r)?));
         let (trains, valids): (Vec<_>, Vec<_>) = said
             .decode_each("loader counts", decode)?

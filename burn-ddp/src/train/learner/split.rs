@@ -71,7 +71,7 @@ impl DdpStrategy {
     /// Each rank's number of items in a split, in rank order (they may differ).
     pub(super) fn split_items<I>(&self, loader: &Arc<dyn DataLoader<I>>) -> Result<SplitItems> {
         let mine = Writer::default().u64(loader.num_items() as u64).buf.clone();
-        let said = self.group.gather_said(mine)?;
+        let said = self.group.all_gather_object(mine)?;
         let per_rank = said.decode_each("an item count", |r| r.u64().map(|n| n as usize))?;
         Ok(SplitItems(per_rank))
     }

@@ -1,7 +1,7 @@
 //! Non-finite gradients: a NaN or an infinity in any rank's gradients would spread through the
 //! all-reduce to every replica in silence (PyTorch's DDP does not look). burn-ddp looks: each
-//! rank marks, in its bucket's tail, whether its own gradients of the bucket are all finite
-//! (one slot per rank, so the summed tail names the ranks), and every rank reads the marks with
+//! rank marks, in its bucket's trailer, whether its own gradients of the bucket are all finite
+//! (one slot per rank, so the summed trailer names the ranks), and every rank reads the marks with
 //! the step's other flags, in the one device-to-host read a step already makes. Every rank sees
 //! the same sums, so every rank decides alike: stop (the default) or skip the step.
 //!
@@ -43,7 +43,7 @@ impl NonFinite {
         self != NonFinite::Propagate
     }
 
-    /// This rank's slots of a bucket's tail (one per rank of `world`): 1 at `rank` when any of
+    /// This rank's slots of a bucket's trailer (one per rank of `world`): 1 at `rank` when any of
     /// its `grads` is not finite. The quick test is the sum of every value (NaN and infinities
     /// carry through a sum): one reduction per tensor and one value read back from the device.
     /// Only a sum that is not finite is looked at closely, since a sum of finite values can
@@ -70,7 +70,7 @@ impl NonFinite {
         Ok(slots)
     }
 
-    /// The ranks whose slots in a summed tail are marked.
+    /// The ranks whose slots in a summed trailer are marked.
     pub(crate) fn marked(summed: &[f32]) -> Vec<usize> {
         (0..summed.len()).filter(|&r| summed[r] > 0.0).collect()
     }

@@ -105,7 +105,7 @@ pub fn check_agreement(
     for line in &lines {
         mine.bytes(line.as_bytes());
     }
-    let said = group.gather_said(mine.buf)?;
+    let said = group.all_gather_object(mine.buf)?;
     let all = said.decode_each("its settings and layout", |r| {
         (0..r.u32()?)
             .map(|_| r.string())

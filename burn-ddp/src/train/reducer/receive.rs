@@ -1,4 +1,4 @@
-//! The receiving half of a gradient reduction: the buckets waited for in order, the tails read
+//! The receiving half of a gradient reduction: the buckets waited for in order, the trailers read
 //! back, the fingerprints and non-finite slots checked, and the averaged gradients cut out of
 //! the buckets, one per parameter.
 
@@ -43,21 +43,24 @@ impl GradientReducer {
         Ok(summed)
     }
 
-    /// Uncompressed buckets: their averaged gradients, and every bucket's tail read in one
+    /// Uncompressed buckets: their averaged gradients, and every bucket's trailer read in one
     /// device-to-host copy.
-    pub(super) fn split_tails(&self, summed: Vec<Tensor<1>>) -> Result<(Vec<Tensor<1>>, Vec<f32>)> {
+    pub(super) fn split_trailers(
+        &self,
+        summed: Vec<Tensor<1>>,
+    ) -> Result<(Vec<Tensor<1>>, Vec<f32>)> {
         let world = self.group.world_size();
-        let tails: Vec<Tensor<1>> = (summed.iter().zip(&self.plan.buckets).enumerate())
-            .map(|(b, (t, bucket))| cut(t, bucket.len, self.tail_len(b)))
+        let trailers: Vec<Tensor<1>> = (summed.iter().zip(&self.plan.buckets).enumerate())
+            .map(|(b, (t, bucket))| cut(t, bucket.len, self.trailer_len(b)))
             .collect();
-        let tails = host_f32(Tensor::cat(tails, 0))?;
+        let trailers = host_f32(Tensor::cat(trailers, 0))?;
         let grads = (summed.into_iter().zip(&self.plan.buckets))
             .map(|(sum, bucket)| cut(&sum, 0, bucket.len))
             .collect();
-        Ok((average(grads, world), tails))
+        Ok((average(grads, world), trailers))
     }
 
-    /// Checks the fingerprints and the non-finite slots in the summed `tails` and hands out the
+    /// Checks the fingerprints and the non-finite slots in the summed `trailers` and hands out the
     /// averaged gradients (`grads`, one tensor per bucket, covering the elements `windows` of
     /// it) some rank produced: none when the step is skipped for non-finite gradients.
     pub(super) fn unpack(
@@ -65,7 +68,7 @@ impl GradientReducer {
         at: (usize, usize),
         grads: Vec<Tensor<1>>,
         windows: &[Range<usize>],
-        tails: &[f32],
+        trailers: &[f32],
     ) -> Result<Vec<Option<Tensor<1>>>> {
         let world = self.group.world_size();
         let fingerprint = if self.check { FINGERPRINT_LEN } else { 0 };
@@ -74,21 +77,21 @@ impl GradientReducer {
         let mut offset = 0;
         for (b, (grads, bucket)) in grads.into_iter().zip(&self.plan.buckets).enumerate() {
             let n = bucket.params.len();
-            let tail = &tails[offset..offset + self.tail_len(b)];
-            offset += self.tail_len(b);
+            let trailer = &trailers[offset..offset + self.trailer_len(b)];
+            offset += self.trailer_len(b);
             if self.check
                 && let Err(reason) = self
                     .fingerprint(b, at)
-                    .check(&tail[n..n + fingerprint], world)
+                    .check(&trailer[n..n + fingerprint], world)
             {
                 return Err(self.desync(at, b, reason));
             }
-            culprits.extend(NonFinite::marked(&tail[n + fingerprint..]));
+            culprits.extend(NonFinite::marked(&trailer[n + fingerprint..]));
             let window = &windows[b];
             for (k, (&p, &offset)) in bucket.params.iter().zip(&bucket.offsets).enumerate() {
                 let n = self.params[p].numel();
                 let inside = window.start <= offset && offset + n <= window.end;
-                if tail[k] > 0.0 && inside {
+                if trailer[k] > 0.0 && inside {
                     out[p] = Some(cut(&grads, offset - window.start, n));
                 }
             }

@@ -16,7 +16,7 @@ use crate::error::{DdpError, Result};
 use crate::train::ParamInfo;
 use crate::train::reducer::GradientReducer;
 use crate::train::reducer::params::param_ids;
-use crate::train::reducer::visit::{Give, Values};
+use crate::train::reducer::visit::{RegisterGradients, Values};
 use crate::train::report::telemetry::StepStats;
 use crate::train::report::telemetry::trace::{COMMUNICATION, COMPUTE, Span, Trace};
 
@@ -80,7 +80,7 @@ impl GradientReducer {
         }
         stats.gather += first_sent.map_or(0.0, |t| (received - t).as_secs_f64());
         let mut out = GradientsParams::new();
-        model.visit(&mut Give {
+        model.visit(&mut RegisterGradients {
             grads: &mut out,
             flat: shared.into_iter(),
         });
@@ -100,16 +100,16 @@ impl GradientReducer {
         let share = (n - 1.0) / n;
         let per_value = self.compression.bytes_per_value();
         let grads: usize = self.plan.buckets.iter().map(|b| b.len * per_value).sum();
-        let tails: usize = (0..self.plan.buckets.len())
-            .map(|b| self.tail_len(b) * 4)
+        let trailers: usize = (0..self.plan.buckets.len())
+            .map(|b| self.trailer_len(b) * 4)
             .sum();
         let params: usize = self.plan.buckets.iter().map(|b| b.len * 4).sum();
         match (&self.owners, self.sharding) {
-            (None, _) => 2.0 * share * (grads + tails) as f64,
+            (None, _) => 2.0 * share * (grads + trailers) as f64,
             (Some(_), crate::train::Sharding::OptimizerAndGradients) => {
-                share * (grads + params) as f64 + 2.0 * share * tails as f64
+                share * (grads + params) as f64 + 2.0 * share * trailers as f64
             }
-            (Some(_), _) => 2.0 * share * (grads + tails) as f64 + share * params as f64,
+            (Some(_), _) => 2.0 * share * (grads + trailers) as f64 + share * params as f64,
         }
     }
 

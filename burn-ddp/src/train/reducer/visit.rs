@@ -7,7 +7,7 @@ use burn::tensor::{Device, Tensor};
 
 use crate::error::{DdpError, Result};
 
-/// Takes every trainable parameter's gradient out of `grads` ([`Take`]), checking that the
+/// Takes every trainable parameter's gradient out of `grads` ([`RemoveGradients`]), checking that the
 /// model has the `expected` number of trainable tensors; with the device of the first gradient
 /// (or parameter), `None` when the model has no trainable parameter.
 pub(super) fn take_gradients<M: Module>(
@@ -15,7 +15,7 @@ pub(super) fn take_gradients<M: Module>(
     grads: &mut GradientsParams,
     expected: usize,
 ) -> Result<(Vec<Option<Tensor<1>>>, Option<Device>)> {
-    let mut take = Take {
+    let mut take = RemoveGradients {
         grads,
         flat: Vec::with_capacity(expected),
         device: None,
@@ -31,13 +31,13 @@ pub(super) fn take_gradients<M: Module>(
 }
 
 /// Takes every trainable parameter's gradient out of `grads`, flattened, in visit order.
-struct Take<'a> {
+struct RemoveGradients<'a> {
     grads: &'a mut GradientsParams,
     flat: Vec<Option<Tensor<1>>>,
     device: Option<Device>,
 }
 
-impl ModuleVisitor for Take<'_> {
+impl ModuleVisitor for RemoveGradients<'_> {
     fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
         if !param.val().is_require_grad() {
             return;
@@ -54,12 +54,12 @@ impl ModuleVisitor for Take<'_> {
 }
 
 /// Registers reduced gradients back, reshaped to each parameter's shape.
-pub(super) struct Give<'a> {
+pub(super) struct RegisterGradients<'a> {
     pub grads: &'a mut GradientsParams,
     pub flat: std::vec::IntoIter<Option<Tensor<1>>>,
 }
 
-impl ModuleVisitor for Give<'_> {
+impl ModuleVisitor for RegisterGradients<'_> {
     fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
         if !param.val().is_require_grad() {
             return;

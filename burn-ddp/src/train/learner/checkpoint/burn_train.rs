@@ -21,7 +21,8 @@ pub(crate) fn refuse_in_sharded_run(
     if !sharded {
         return Ok(());
     }
-    let said = group.gather_said(Writer::default().u8(has_checkpointer.into()).buf.clone())?;
+    let said =
+        group.all_gather_object(Writer::default().u8(has_checkpointer.into()).buf.clone())?;
     let flags = said.decode_each("whether burn-train checkpoints", |r| r.u8())?;
     let ranks: Vec<usize> = (flags.iter().enumerate())
         .filter(|(_, f)| **f != 0)

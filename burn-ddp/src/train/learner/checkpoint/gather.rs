@@ -176,7 +176,7 @@ fn exchange_headers(
         Ok(record) => w.u8(1).u64(id_len as u64).u64(record.len() as u64),
         Err(e) => w.u8(0).bytes(e.to_string().as_bytes()),
     };
-    let said = group.gather_said(w.buf)?;
+    let said = group.all_gather_object(w.buf)?;
     let size = |v: u64| usize::try_from(v).unwrap_or(usize::MAX);
     said.decode_each(
         "a checkpoint's optimizer record size",
