@@ -19,7 +19,6 @@ pub(crate) mod agreement;
 #[cfg(feature = "train")]
 pub(crate) mod backend;
 pub(crate) mod backends;
-mod buffer;
 pub(crate) mod queue;
 pub(crate) mod transport;
 mod work;
@@ -27,7 +26,7 @@ pub(crate) mod worker;
 
 use half::{bf16, f16};
 
-pub use buffer::{Broadcastable, Gatherable, Reducible};
+pub use backends::{Broadcastable, Gatherable, Reducible};
 pub use work::Work;
 
 /// The [`Element`] types a collective can carry, as a value: named in messages and sent as a

@@ -14,7 +14,7 @@ use crate::collectives::worker::Worker;
 use crate::error::Result;
 
 /// Starts `request` on `tensor` as the NCCL backend would, with host collectives for NCCL.
-pub(super) fn start<T: Send + 'static>(
+pub(crate) fn start<T: Send + 'static>(
     queue: &Queue,
     tensor: Tensor<1>,
     request: Request,

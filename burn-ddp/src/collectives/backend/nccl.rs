@@ -27,7 +27,7 @@ use crate::error::{DdpError, Result};
 use crate::wire::{Reader, Writer};
 
 /// Joins the group's NCCL communicator on the GPU of `device`.
-pub(super) fn join(queue: &Queue, device: &Device) -> Result<NcclComm> {
+pub(crate) fn join(queue: &Queue, device: &Device) -> Result<NcclComm> {
     let gpu = burn_ddp_nccl::cuda_ordinal(device)
         .ok_or_else(|| DdpError::Disagreement(format!("{device:?} is not a CUDA device")))?;
     let (world, timeout) = (queue.world(), queue.limits().timeout);
@@ -135,7 +135,7 @@ fn remote_cause<E>(
 /// Starts `request` on `tensor` by NCCL: planned ([`Plan`]), its input fenced on this thread's
 /// stream, then agreed and run on the collective thread; `done` turns the result's tensors into
 /// the caller's.
-pub(super) fn start<T: Send + 'static>(
+pub(crate) fn start<T: Send + 'static>(
     queue: &Queue,
     comm: &NcclComm,
     tensor: Tensor<1>,

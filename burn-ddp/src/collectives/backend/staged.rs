@@ -17,7 +17,7 @@ use crate::error::Result;
 
 /// Starts `request` on `tensor` through the host: one job on the collective thread, whose
 /// result's tensors `done` turns into the caller's.
-pub(super) fn start<T: Send + 'static>(
+pub(crate) fn start<T: Send + 'static>(
     queue: &Queue,
     tensor: Tensor<1>,
     request: Request,
