@@ -94,3 +94,5 @@ pub use group::{
 #[cfg(doctest)]
 #[doc = include_str!("../../README.md")]
 struct ReadmeDoctests;
+#[cfg(doctest)]
+mod guide;
