@@ -19,15 +19,13 @@ pub(crate) mod agreement;
 #[cfg(feature = "train")]
 pub(crate) mod backend;
 pub(crate) mod backends;
-pub(crate) mod queue;
 pub(crate) mod transport;
-mod work;
 pub(crate) mod worker;
 
 use half::{bf16, f16};
 
 pub use backends::{Broadcastable, Gatherable, Reducible};
-pub use work::Work;
+pub use worker::Work;
 
 /// The [`Element`] types a collective can carry, as a value: named in messages and sent as a
 /// wire code.

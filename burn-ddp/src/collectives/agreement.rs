@@ -4,7 +4,7 @@
 //! ([`Gathered::decode_each`]). Every rank sees the same gathered bytes, so every rank finds the
 //! same disagreement (or the same malformed message) and fails alike, naming the same ranks.
 
-use super::queue::Queue;
+use super::worker::Queue;
 use super::worker::Worker;
 use crate::error::{DdpError, Result};
 use crate::wire::{DecodeError, Reader};

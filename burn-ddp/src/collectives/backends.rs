@@ -27,10 +27,10 @@ use super::backend::emulated;
 use super::backend::nccl;
 #[cfg(feature = "train")]
 use super::backend::{DeviceBackend, Kind, Request, one, staged};
-use super::queue::{Limits, Queue};
 use super::transport::host::HostTransport;
 #[cfg(feature = "train")]
 use super::worker::Worker;
+use super::worker::{Limits, Queue};
 use super::{Element, Reduce, ReduceOp, Work};
 #[cfg(feature = "train")]
 use crate::error::DdpError;

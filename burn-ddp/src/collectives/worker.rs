@@ -1,5 +1,7 @@
-//! The collective thread: runs the group's operations on the transport one at a time, in the
-//! order they were issued, and turns what the transport reports into the group's errors.
+//! The collective thread (below the backends, as c10d's `Work` is below its `Backend`s): every
+//! backend hands its operations to the thread's [`Queue`]; they run on the thread ([`Worker`])
+//! one at a time, in the order they were issued, and each caller holds a [`Work`] to wait on.
+//! The thread turns what the transport reports into the group's errors.
 //!
 //! A failed operation is where the group agrees on the root cause: the transport names the peer
 //! it saw fail, this thread records that in the store unless another rank recorded a failure
@@ -8,8 +10,9 @@
 //! rank that failed first.
 
 use std::sync::Arc;
-use std::sync::mpsc::{self, Sender};
+use std::sync::mpsc::{self, Receiver, Sender, TryRecvError};
 use std::thread::JoinHandle;
+use std::time::Duration;
 
 use super::transport::host::{HostTransport, OpError, OpResult};
 use super::transport::tcp::PeerFailure;
@@ -17,6 +20,161 @@ use crate::error::{DdpError, Result};
 use crate::failure::FailureRecord;
 use crate::status::StatusCell;
 use crate::store::Store;
+
+/// Handle of a started collective. Operations run in the order they were issued, the same order
+/// on every rank; [`Work::wait`] returns the result (the reduced buffer, the gathered data).
+///
+/// Dropping a `Work` without waiting does not cancel the operation: it still runs, so ranks stay
+/// in step.
+#[must_use = "a collective's result (and error) is only seen through wait()"]
+pub struct Work<T> {
+    rank: usize,
+    state: State<T>,
+}
+
+enum State<T> {
+    Pending(Receiver<Result<T>>),
+    Done(Result<T>),
+    Taken,
+}
+
+impl<T> Work<T> {
+    pub(crate) fn pending(rank: usize, rx: Receiver<Result<T>>) -> Self {
+        Work {
+            rank,
+            state: State::Pending(rx),
+        }
+    }
+
+    pub(crate) fn done(rank: usize, result: Result<T>) -> Self {
+        Work {
+            rank,
+            state: State::Done(result),
+        }
+    }
+
+    /// Blocks until the operation finished and returns its result. Bounded by the group's
+    /// timeout: a peer that stops answering turns into an error, not a hang.
+    pub fn wait(mut self) -> Result<T> {
+        match std::mem::replace(&mut self.state, State::Taken) {
+            State::Pending(rx) => rx
+                .recv()
+                .unwrap_or(Err(DdpError::WorkerGone { rank: self.rank })),
+            State::Done(r) => r,
+            State::Taken => Err(DdpError::WorkerGone { rank: self.rank }),
+        }
+    }
+
+    /// Whether the operation has finished (then [`Work::wait`] returns at once).
+    pub fn is_completed(&mut self) -> bool {
+        if let State::Pending(rx) = &self.state {
+            match rx.try_recv() {
+                Ok(r) => self.state = State::Done(r),
+                Err(TryRecvError::Empty) => return false,
+                Err(TryRecvError::Disconnected) => {
+                    self.state = State::Done(Err(DdpError::WorkerGone { rank: self.rank }))
+                }
+            }
+        }
+        true
+    }
+}
+
+/// The limits a backend enforces, from the group's options.
+pub(crate) struct Limits {
+    /// Longest a collective may go without progress (the host transport has its own copy;
+    /// only NCCL's waits read this one).
+    #[cfg_attr(not(feature = "nccl"), allow(dead_code))]
+    pub timeout: Duration,
+    /// Largest total an all-gather may produce.
+    pub max_gather_bytes: usize,
+    /// Host tensors take the NCCL backend's plans with host collectives (tests only).
+    #[cfg(all(feature = "train", feature = "test-support"))]
+    pub nccl_plans_on_host: bool,
+}
+
+/// The queue of a group's collective thread, and the limits every backend enforces.
+pub(crate) struct Queue {
+    rank: usize,
+    world: usize,
+    limits: Limits,
+    jobs: Option<Sender<Job>>,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl Queue {
+    /// Starts the collective thread of `rank` of `world` over `transport`; the thread reports
+    /// each operation in `status` and agrees on failures through `store`.
+    pub(crate) fn start(
+        rank: usize,
+        world: usize,
+        transport: HostTransport,
+        store: Arc<Store>,
+        status: Arc<StatusCell>,
+        limits: Limits,
+    ) -> Result<Self> {
+        let (jobs, thread) = Worker::spawn(rank, transport, store, status)?;
+        Ok(Queue {
+            rank,
+            world,
+            limits,
+            jobs: Some(jobs),
+            thread: Some(thread),
+        })
+    }
+
+    /// This rank.
+    pub(crate) fn rank(&self) -> usize {
+        self.rank
+    }
+
+    /// Ranks in the group.
+    pub(crate) fn world(&self) -> usize {
+        self.world
+    }
+
+    /// The limits the backends enforce.
+    #[cfg_attr(not(feature = "train"), allow(dead_code))]
+    pub(crate) fn limits(&self) -> &Limits {
+        &self.limits
+    }
+
+    /// Queues a host transport operation on the collective thread, after every collective
+    /// issued before it; a failure becomes the group's error there.
+    pub(crate) fn submit<T: Send + 'static>(
+        &self,
+        job: impl FnOnce(&mut HostTransport) -> OpResult<T> + Send + 'static,
+    ) -> Work<T> {
+        self.on_worker(move |w| w.run(job))
+    }
+
+    /// Queues `job` on the collective thread, with the whole [`Worker`] (the transport, and the
+    /// group's failure agreement) at hand.
+    pub(crate) fn on_worker<T: Send + 'static>(
+        &self,
+        job: impl FnOnce(&mut Worker) -> Result<T> + Send + 'static,
+    ) -> Work<T> {
+        let (tx, rx) = mpsc::sync_channel(1);
+        let boxed: Job = Box::new(move |t| {
+            let _ = tx.send(job(t));
+        });
+        match self.jobs.as_ref().map(|j| j.send(boxed)) {
+            Some(Ok(())) => Work::pending(self.rank, rx),
+            _ => Work::done(self.rank, Err(DdpError::WorkerGone { rank: self.rank })),
+        }
+    }
+}
+
+impl Drop for Queue {
+    /// Lets queued collectives finish (each bounded by the timeout); the collective thread then
+    /// tells the peers this rank leaves.
+    fn drop(&mut self) {
+        self.jobs.take();
+        if let Some(thread) = self.thread.take() {
+            let _ = thread.join();
+        }
+    }
+}
 
 /// An operation queued for the collective thread.
 pub(crate) type Job = Box<dyn FnOnce(&mut Worker) + Send>;

@@ -9,10 +9,10 @@ use std::time::{Duration, Instant};
 
 use super::ProcessGroup;
 use crate::collectives::backends::Backends;
-use crate::collectives::queue::Limits;
 use crate::collectives::transport::host::{HostConfig, HostTransport};
 use crate::collectives::transport::shm::setup::{ShmRequest, negotiate};
 use crate::collectives::transport::tcp::mesh;
+use crate::collectives::worker::Limits;
 use crate::env::DEFAULT_MASTER_PORT;
 use crate::env::Transport;
 use crate::error::{DdpError, Result};

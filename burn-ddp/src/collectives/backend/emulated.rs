@@ -9,7 +9,7 @@ use burn::tensor::Tensor;
 use super::plan::{self, Call, Plan};
 use super::{Request, staged};
 use crate::collectives::Work;
-use crate::collectives::queue::Queue;
+use crate::collectives::worker::Queue;
 use crate::collectives::worker::Worker;
 use crate::error::Result;
 

@@ -20,7 +20,7 @@ use burn_ddp_nccl::{NcclComm, NcclError, Pending};
 
 use super::Request;
 use super::plan::{self, Call, Plan};
-use crate::collectives::queue::Queue;
+use crate::collectives::worker::Queue;
 use crate::collectives::worker::{RemoteFailure, Worker};
 use crate::collectives::{ReduceOp, Work};
 use crate::error::{DdpError, Result};

@@ -22,7 +22,7 @@ use burn::tensor::{DType, Device, Tensor};
 use super::slices::{concat, cut, empty};
 use super::{Request, invalid};
 use crate::collectives::agreement::Gathered;
-use crate::collectives::queue::Queue;
+use crate::collectives::worker::Queue;
 use crate::collectives::worker::Worker;
 use crate::collectives::{ReduceOp, Work};
 use crate::error::{DdpError, Result};

@@ -10,7 +10,7 @@ use burn::tensor::{DType, Tensor, TensorData};
 use half::{bf16, f16};
 
 use super::{Request, invalid};
-use crate::collectives::queue::Queue;
+use crate::collectives::worker::Queue;
 use crate::collectives::worker::Worker;
 use crate::collectives::{Reduce, ReduceOp, Work};
 use crate::error::Result;
