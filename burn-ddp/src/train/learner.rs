@@ -15,17 +15,10 @@
 
 mod buffers;
 pub(crate) mod checkpoint;
-mod epochs;
-mod loader_shards;
 mod sampler;
 mod settings;
-mod split;
-mod state;
-mod step;
 mod stop;
 mod strategy;
-mod train_epoch;
-mod valid_epoch;
 
 pub use buffers::BufferSync;
 pub use sampler::{DistributedDataset, DistributedSampler};

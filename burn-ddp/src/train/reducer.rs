@@ -36,32 +36,31 @@ pub(crate) mod fingerprint;
 pub(crate) mod non_finite;
 pub(crate) mod ownership;
 pub(crate) mod params;
-mod receive;
+mod setup;
 mod sharded;
 mod share;
-mod visit;
 
+use std::ops::Range;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Instant;
 
-use burn::module::Module;
+use burn::module::{Module, ModuleVisitor, Param};
 use burn::optim::GradientsParams;
 use burn::tensor::{Device, Tensor, TensorData};
 
-use self::receive::average;
-use self::visit::{RegisterGradients, take_gradients};
 use crate::ProcessGroup;
 use crate::collectives::ReduceOp;
-use crate::error::Result;
-use crate::train::reducer::bucket::{BucketConfig, BucketPlan};
+use crate::collectives::backend::slices::cut;
+use crate::error::{DdpError, Result};
+use crate::train::reducer::bucket::BucketPlan;
 use crate::train::reducer::compression::{Compressed, Compression};
 use crate::train::reducer::fingerprint::{FINGERPRINT_LEN, Fingerprint};
 use crate::train::reducer::non_finite::NonFinite;
 use crate::train::reducer::ownership::{Owners, Sharding};
-use crate::train::reducer::params::{ParamInfo, layout};
+use crate::train::reducer::params::ParamInfo;
 use crate::train::report::telemetry::StepStats;
-use crate::train::report::telemetry::trace::{COMPUTE, Span, Trace};
+use crate::train::report::telemetry::trace::{COMMUNICATION, COMPUTE, Span, Trace};
 
 /// Averages gradients across the ranks of a group, bucket by bucket.
 pub struct GradientReducer {
@@ -99,76 +98,6 @@ struct Sending<'a> {
 }
 
 impl GradientReducer {
-    /// Plans the buckets of `model`'s trainable parameters.
-    pub fn new<M: Module>(
-        model: &M,
-        group: Arc<ProcessGroup>,
-        config: BucketConfig,
-    ) -> Result<Self> {
-        let params: Vec<ParamInfo> = layout(model).into_iter().filter(|p| p.trainable).collect();
-        let sizes: Vec<usize> = params.iter().map(ParamInfo::numel).collect();
-        let plan = BucketPlan::new(&sizes, 4, &config);
-        log::debug!(
-            "rank {}: {} trainable tensors in {} buckets",
-            group.rank(),
-            params.len(),
-            plan.buckets.len()
-        );
-        Ok(GradientReducer {
-            group,
-            params,
-            plan,
-            steps: AtomicU64::new(0),
-            check: true,
-            compression: Compression::None,
-            non_finite: NonFinite::default(),
-            sharding: Sharding::None,
-            owners: None,
-        })
-    }
-
-    /// Shards the optimizer's work (default [`Sharding::None`]; every rank must choose the
-    /// same): each rank then owns a part of the parameters, and the reductions hand back only
-    /// its own parameters' gradients (see [`Sharding`]). A hand-written loop then steps its
-    /// optimizer and calls [`GradientReducer::share_parameters`] for the others' parameters.
-    pub fn sharding(mut self, sharding: Sharding) -> Self {
-        self.sharding = sharding;
-        self.owners = None;
-        let world = self.group.world_size();
-        if sharding.shards() && world > 1 {
-            let sizes: Vec<usize> = self.params.iter().map(ParamInfo::numel).collect();
-            let owners = Owners::new(&self.plan, &sizes, world, self.group.rank());
-            // ZeRO-2 reduce-scatters the owners' layout (each owner's part one range); ZeRO-1
-            // all-reduces plain DDP's layout, so its gradients are plain DDP's, bit for bit.
-            if sharding == Sharding::OptimizerAndGradients {
-                self.plan = owners.plan.clone();
-            }
-            self.owners = Some(owners);
-        }
-        self
-    }
-
-    /// Whether buckets carry and check a fingerprint (default true; every rank must choose the
-    /// same). It costs 24 values per bucket; switch it off only to measure that cost.
-    pub fn desync_check(mut self, check: bool) -> Self {
-        self.check = check;
-        self
-    }
-
-    /// The format buckets travel in (default [`Compression::None`]; every rank must choose the
-    /// same).
-    pub fn compression(mut self, compression: Compression) -> Self {
-        self.compression = compression;
-        self
-    }
-
-    /// What a NaN or an infinity in some rank's gradients comes to (default
-    /// [`NonFinite::Stop`]; every rank must choose the same).
-    pub fn non_finite(mut self, non_finite: NonFinite) -> Self {
-        self.non_finite = non_finite;
-        self
-    }
-
     /// Values of bucket `b`'s trailer: presence flags, then the fingerprint, then one non-finite
     /// slot per rank.
     fn trailer_len(&self, b: usize) -> usize {
@@ -179,25 +108,6 @@ impl GradientReducer {
             0
         };
         self.plan.buckets[b].params.len() + fingerprint + slots
-    }
-
-    /// Bytes one reduction sends into the all-reduces (each rank's buffers: gradients, presence
-    /// flags and fingerprints), before the transport's own overhead.
-    pub fn bytes_per_step(&self) -> usize {
-        let per_value = self.compression.bytes_per_value();
-        (self.plan.buckets.iter().enumerate())
-            .map(|(i, b)| b.len * per_value + self.trailer_len(i) * 4)
-            .sum()
-    }
-
-    /// The bucket plan.
-    pub fn plan(&self) -> &BucketPlan {
-        &self.plan
-    }
-
-    /// The group gradients are averaged over.
-    pub fn group(&self) -> &Arc<ProcessGroup> {
-        &self.group
     }
 
     /// Averages `grads` over all ranks. Every rank must call it at the same step; the
@@ -361,5 +271,191 @@ impl GradientReducer {
             trailer.extend(NonFinite::slots(&parts, rank, world)?);
         }
         Ok((parts, trailer))
+    }
+}
+
+impl GradientReducer {
+    /// Waits for the buckets in order, publishing which one this rank waits for; adds the
+    /// time waited to `stats.exposed` and each bucket's travel to `trace`.
+    fn wait_buckets(
+        &self,
+        pending: Vec<InFlight>,
+        trace: Option<&Trace>,
+        stats: &mut StepStats,
+    ) -> Result<Vec<Tensor<1>>> {
+        let status = self.group.status();
+        let n = pending.len();
+        let mut summed = Vec::with_capacity(n);
+        for (b, (work, sent)) in pending.into_iter().enumerate() {
+            status.activity(Some(format!("waits for bucket {} of {n}", b + 1)));
+            let waiting = Instant::now();
+            let done = work.wait();
+            let received = Instant::now();
+            status.activity(None);
+            stats.exposed += (received - waiting).as_secs_f64();
+            if let Some(trace) = trace {
+                let span = Span::bucket("all-reduce bucket", b);
+                trace.span(span, COMMUNICATION, sent, received);
+            }
+            summed.push(done?);
+        }
+        Ok(summed)
+    }
+
+    /// Uncompressed buckets: their averaged gradients, and every bucket's trailer read in one
+    /// device-to-host copy.
+    fn split_trailers(&self, summed: Vec<Tensor<1>>) -> Result<(Vec<Tensor<1>>, Vec<f32>)> {
+        let world = self.group.world_size();
+        let trailers: Vec<Tensor<1>> = (summed.iter().zip(&self.plan.buckets).enumerate())
+            .map(|(b, (t, bucket))| cut(t, bucket.len, self.trailer_len(b)))
+            .collect();
+        let trailers = host_f32(Tensor::cat(trailers, 0))?;
+        let grads = (summed.into_iter().zip(&self.plan.buckets))
+            .map(|(sum, bucket)| cut(&sum, 0, bucket.len))
+            .collect();
+        Ok((average(grads, world), trailers))
+    }
+
+    /// Checks the fingerprints and the non-finite slots in the summed `trailers` and hands out the
+    /// averaged gradients (`grads`, one tensor per bucket, covering the elements `windows` of
+    /// it) some rank produced: none when the step is skipped for non-finite gradients.
+    fn unpack(
+        &self,
+        at: (usize, usize),
+        grads: Vec<Tensor<1>>,
+        windows: &[Range<usize>],
+        trailers: &[f32],
+    ) -> Result<Vec<Option<Tensor<1>>>> {
+        let world = self.group.world_size();
+        let fingerprint = if self.check { FINGERPRINT_LEN } else { 0 };
+        let mut out = vec![None; self.params.len()];
+        let mut culprits = Vec::new();
+        let mut offset = 0;
+        for (b, (grads, bucket)) in grads.into_iter().zip(&self.plan.buckets).enumerate() {
+            let n = bucket.params.len();
+            let trailer = &trailers[offset..offset + self.trailer_len(b)];
+            offset += self.trailer_len(b);
+            if self.check
+                && let Err(reason) = self
+                    .fingerprint(b, at)
+                    .check(&trailer[n..n + fingerprint], world)
+            {
+                return Err(self.desync(at, b, reason));
+            }
+            culprits.extend(NonFinite::marked(&trailer[n + fingerprint..]));
+            let window = &windows[b];
+            for (k, (&p, &offset)) in bucket.params.iter().zip(&bucket.offsets).enumerate() {
+                let n = self.params[p].numel();
+                let inside = window.start <= offset && offset + n <= window.end;
+                if trailer[k] > 0.0 && inside {
+                    out[p] = Some(cut(&grads, offset - window.start, n));
+                }
+            }
+        }
+        if !culprits.is_empty() {
+            culprits.sort_unstable();
+            culprits.dedup();
+            if let Some(e) = self.non_finite.decide(self.group.rank(), &culprits, at) {
+                return Err(e);
+            }
+            return Ok(vec![None; self.params.len()]);
+        }
+        Ok(out)
+    }
+
+    /// Stops the group for a desync found in bucket `b` at `at`: the error every rank reports.
+    fn desync(&self, at: (usize, usize), b: usize, reason: impl std::fmt::Display) -> DdpError {
+        let cause = self.group.abort(&reason);
+        DdpError::Collective {
+            rank: self.group.rank(),
+            op: format!(
+                "gradient reduction of epoch {} step {} (bucket {} of {})",
+                at.0,
+                at.1,
+                b + 1,
+                self.plan.buckets.len()
+            ),
+            cause,
+            ranks: self.group.status().report(),
+        }
+    }
+}
+
+/// Summed buckets divided by the world size.
+fn average(summed: Vec<Tensor<1>>, world: usize) -> Vec<Tensor<1>> {
+    (summed.into_iter())
+        .map(|sum| sum.mul_scalar(1.0 / world as f32))
+        .collect()
+}
+
+/// A tensor's values on the host, as `f32`.
+fn host_f32(t: Tensor<1>) -> Result<Vec<f32>> {
+    t.into_data()
+        .convert::<f32>()
+        .try_into_vec::<f32>()
+        .map_err(|e| DdpError::Tensor(format!("{e:?}")))
+}
+
+/// Takes every trainable parameter's gradient out of `grads` ([`RemoveGradients`]), checking that the
+/// model has the `expected` number of trainable tensors; with the device of the first gradient
+/// (or parameter), `None` when the model has no trainable parameter.
+fn take_gradients<M: Module>(
+    model: &M,
+    grads: &mut GradientsParams,
+    expected: usize,
+) -> Result<(Vec<Option<Tensor<1>>>, Option<Device>)> {
+    let mut take = RemoveGradients {
+        grads,
+        flat: Vec::with_capacity(expected),
+        device: None,
+    };
+    model.visit(&mut take);
+    if take.flat.len() != expected {
+        return Err(DdpError::Disagreement(format!(
+            "the model has {} trainable tensors, the bucket plan {expected}",
+            take.flat.len(),
+        )));
+    }
+    Ok((take.flat, take.device))
+}
+
+/// Takes every trainable parameter's gradient out of `grads`, flattened, in visit order.
+struct RemoveGradients<'a> {
+    grads: &'a mut GradientsParams,
+    flat: Vec<Option<Tensor<1>>>,
+    device: Option<Device>,
+}
+
+impl ModuleVisitor for RemoveGradients<'_> {
+    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+        if !param.val().is_require_grad() {
+            return;
+        }
+        let g = self.grads.remove::<D>(param.id);
+        if let Some(g) = &g {
+            self.device.get_or_insert_with(|| g.device());
+        } else if self.device.is_none() {
+            self.device = Some(param.val().device().inner());
+        }
+        let n = param.val().shape().num_elements();
+        self.flat.push(g.map(|g| g.reshape([n])));
+    }
+}
+
+/// Registers reduced gradients back, reshaped to each parameter's shape.
+pub(super) struct RegisterGradients<'a> {
+    pub grads: &'a mut GradientsParams,
+    pub flat: std::vec::IntoIter<Option<Tensor<1>>>,
+}
+
+impl ModuleVisitor for RegisterGradients<'_> {
+    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+        if !param.val().is_require_grad() {
+            return;
+        }
+        if let Some(Some(g)) = self.flat.next() {
+            self.grads
+                .register::<D>(param.id, g.reshape(param.val().dims()));
+        }
     }
 }

@@ -18,8 +18,16 @@ use burn::train::{
     TrainStep, TrainingComponents, ValidLoader,
 };
 
-use super::epochs::EpochLoop;
-use super::loader_shards::Split;
+mod epochs;
+mod loader_shards;
+mod split;
+mod state;
+mod step;
+mod train_epoch;
+mod valid_epoch;
+
+use self::epochs::EpochLoop;
+use self::loader_shards::Split;
 use crate::ProcessGroup;
 use crate::error::{DdpError, Result};
 use crate::signals::StopSignals;

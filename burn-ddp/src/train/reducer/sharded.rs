@@ -7,7 +7,7 @@
 use std::collections::HashSet;
 use std::time::Instant;
 
-use burn::module::Module;
+use burn::module::{Module, ModuleVisitor, Param};
 use burn::optim::GradientsParams;
 use burn::tensor::Tensor;
 
@@ -15,8 +15,8 @@ use crate::collectives::backend::slices::{concat, cut};
 use crate::error::{DdpError, Result};
 use crate::train::ParamInfo;
 use crate::train::reducer::GradientReducer;
+use crate::train::reducer::RegisterGradients;
 use crate::train::reducer::params::param_ids;
-use crate::train::reducer::visit::{RegisterGradients, Values};
 use crate::train::report::telemetry::StepStats;
 use crate::train::report::telemetry::trace::{COMMUNICATION, COMPUTE, Span, Trace};
 
@@ -157,5 +157,21 @@ impl GradientReducer {
                 .map(|(_, info)| info.path.clone())
                 .collect(),
         )
+    }
+}
+
+/// Every trainable parameter's value, flattened, on its backend without autodiff, in visit
+/// order.
+#[derive(Default)]
+struct Values(pub Vec<Tensor<1>>);
+
+impl ModuleVisitor for Values {
+    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+        let t = param.val();
+        if t.is_require_grad() {
+            let t = t.inner();
+            let n = t.shape().num_elements();
+            self.0.push(t.reshape([n]));
+        }
     }
 }

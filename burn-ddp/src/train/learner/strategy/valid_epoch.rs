@@ -9,9 +9,9 @@ use burn::train::{
 };
 
 use crate::error::Result;
-use crate::train::learner::split::{SplitEnd, SplitItems, SplitPass};
-use crate::train::learner::step::{Batch, StepResult};
 use crate::train::learner::strategy::DdpStrategy;
+use crate::train::learner::strategy::split::{SplitEnd, SplitItems, SplitPass};
+use crate::train::learner::strategy::step::{Batch, StepResult};
 use crate::train::report::metrics::GlobalItem;
 
 /// One epoch's validation pass on this rank.

@@ -11,9 +11,9 @@ use burn::train::{EventProcessorError, Interrupter, LearnerEvent, TrainingItem};
 
 use crate::collectives::ReduceOp;
 use crate::error::{DdpError, Result};
-use crate::train::learner::step::{Batch, StepResult};
 use crate::train::learner::stop::{StepVote, Stop, Voters};
 use crate::train::learner::strategy::DdpStrategy;
+use crate::train::learner::strategy::step::{Batch, StepResult};
 use crate::train::report::metrics::{GlobalItem, PendingItem};
 use crate::wire::Writer;
 

@@ -14,11 +14,11 @@ use burn::train::{
 use crate::error::Result;
 use crate::status::Phase;
 use crate::train::learner::checkpoint::Position;
-use crate::train::learner::loader_shards::Plan;
 use crate::train::learner::stop::Stop;
 use crate::train::learner::strategy::DdpStrategy;
-use crate::train::learner::train_epoch::TrainEpoch;
-use crate::train::learner::valid_epoch::ValidEpoch;
+use crate::train::learner::strategy::loader_shards::Plan;
+use crate::train::learner::strategy::train_epoch::TrainEpoch;
+use crate::train::learner::strategy::valid_epoch::ValidEpoch;
 use crate::train::report::metrics::GlobalItem;
 
 /// The parts of burn-train's `TrainingComponents` the epoch loop uses.

@@ -15,9 +15,9 @@ use burn::train::{
 use crate::error::Result;
 use crate::train::learner::buffers::PendingBuffers;
 use crate::train::learner::checkpoint::Position;
-use crate::train::learner::split::{SplitEnd, SplitItems, SplitPass};
-use crate::train::learner::step::{Batch, StepResult};
 use crate::train::learner::strategy::DdpStrategy;
+use crate::train::learner::strategy::split::{SplitEnd, SplitItems, SplitPass};
+use crate::train::learner::strategy::step::{Batch, StepResult};
 use crate::train::report::metrics::GlobalItem;
 use crate::train::report::telemetry::StepStats;
 use crate::train::report::telemetry::trace::{COMPUTE, Span};
