@@ -29,6 +29,8 @@
 //! is bounded the same way. Every thread binds the GPU's primary context before calling NCCL,
 //! so no other GPU gets a context.
 
+pub(crate) mod pending;
+
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -36,11 +38,11 @@ use std::time::Duration;
 use burn::tensor::Tensor;
 use cudarc::driver::{CudaContext, CudaStream};
 
+use self::pending::Pending;
 use crate::buffer::DeviceBuffer;
 use crate::error::NcclError;
 use crate::ffi::{self, Failure, RawComm, RawOp, State};
 use crate::library::Located;
-use crate::pending::Pending;
 use crate::tables::{RedOp, check_nccl_version, join_advice};
 use crate::turns::Turns;
 use crate::waiting::{Stop, poll_until};

@@ -38,7 +38,6 @@ mod comm;
 #[allow(unsafe_code)]
 mod ffi;
 #[cfg(feature = "cuda")]
-mod pending;
 #[cfg(feature = "cuda")]
 mod tables;
 #[cfg(feature = "cuda")]
@@ -49,10 +48,10 @@ mod waiting;
 #[cfg(feature = "cuda")]
 pub use buffer::POISON_VAR;
 #[cfg(feature = "cuda")]
+pub use comm::pending::Pending;
+#[cfg(feature = "cuda")]
 pub use comm::{NcclComm, ReduceOp, check_libraries, unique_id};
 pub use error::NcclError;
-#[cfg(feature = "cuda")]
-pub use pending::Pending;
 #[cfg(feature = "cuda")]
 pub use tables::cuda_ordinal;
 #[cfg(feature = "cuda")]

@@ -24,6 +24,10 @@
 //!   resident memory reported).
 //! - `cluster [--hosts 2] [--nproc-per-host 1] [--link-rate 1gbit] -- PROGRAM ARGS`: PROGRAM on
 //!   several hosts made of network namespaces on this machine (root), one launcher per host.
+//! - `check-layers`: no import circle between sibling modules of any crate (a module and its
+//!   own children are one unit), production code calls no test rig (`crate::testing`),
+//!   ARCHITECTURE.md's folder table names every folder of `burn-ddp/src`; prints every circle
+//!   with the uses that make it.
 //!
 //! The CPU tasks build every binary and example of the workspace in one `cargo build` (the
 //! selection `cargo test --workspace` makes, so they share its build of burn); the benchmarks
@@ -34,6 +38,7 @@ mod bench_train;
 mod build;
 mod bundle;
 mod cluster;
+mod layers;
 mod ranks;
 
 use std::process::Command;
@@ -66,6 +71,9 @@ enum Task {
     Soak(Soak),
     /// A program on several hosts made of network namespaces here (root), one launcher each
     Cluster(cluster::ClusterTask),
+    /// The import graph: no circle between sibling modules, no call of the test rig from
+    /// production code, ARCHITECTURE.md's folder table complete
+    CheckLayers(layers::CheckLayers),
 }
 
 /// The long soak test of burn-ddp's integration tests.
@@ -99,5 +107,6 @@ fn main() -> Result<()> {
         Task::GpuBundle(t) => bundle::gpu_bundle(t),
         Task::Soak(t) => soak(t),
         Task::Cluster(t) => cluster::cluster(t),
+        Task::CheckLayers(t) => layers::check_layers(t),
     }
 }

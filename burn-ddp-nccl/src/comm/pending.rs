@@ -21,8 +21,8 @@ use burn::tensor::Tensor;
 use burn_cubecl::cubecl::future::block_on;
 use cudarc::driver::sys::CUstream;
 
+use super::{Inner, NcclComm, ready, stopped};
 use crate::buffer::{DeviceBuffer, Fence};
-use crate::comm::{Inner, NcclComm, ready, stopped};
 use crate::error::NcclError;
 use crate::ffi::{self, Failure, RawComm, RawOp, State};
 use crate::turns::Ticket;
