@@ -43,25 +43,12 @@ use crate::buffer::DeviceBuffer;
 use crate::error::NcclError;
 use crate::ffi::{self, Failure, RawComm, RawOp, State};
 use crate::library::Located;
-use crate::tables::{RedOp, check_nccl_version, join_advice};
+use crate::tables::{ReduceOp, check_nccl_version, join_advice};
 use crate::turns::Turns;
 use crate::waiting::{Stop, poll_until};
 
 /// How long a dropped communicator may take to flush before it is aborted instead.
 const FINALIZE_LIMIT: Duration = Duration::from_secs(10);
-
-/// Reductions offered by [`NcclComm::start_all_reduce`].
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum ReduceOp {
-    /// Sum.
-    Sum,
-    /// Average (`ncclAvg`).
-    Avg,
-    /// Maximum.
-    Max,
-    /// Minimum.
-    Min,
-}
 
 /// Checks that libcuda, libnccl and libnvrtc (burn's CUDA kernels are compiled by it) can be
 /// loaded and that the NCCL is 2.14 or newer, so that
@@ -202,7 +189,7 @@ impl NcclComm {
             send: input.ptr,
             recv: output.ptr,
             count: input.count,
-            op: red_op(op),
+            op,
         };
         Ok(self.pending(raw, "all_reduce", input, output))
     }
@@ -261,7 +248,7 @@ impl NcclComm {
             send: input.ptr,
             recv: output.ptr,
             count: input.count / world,
-            op: red_op(op),
+            op,
         };
         Ok(self.pending(raw, "reduce_scatter", input, output))
     }
@@ -361,15 +348,5 @@ pub(crate) fn stopped<E>(
             reason: "the communicator was aborted after a failure in the group".into(),
         },
         Stop::Failed(failure) => failed(failure),
-    }
-}
-
-/// NCCL's reduction for `op`.
-fn red_op(op: ReduceOp) -> RedOp {
-    match op {
-        ReduceOp::Sum => RedOp::Sum,
-        ReduceOp::Avg => RedOp::Avg,
-        ReduceOp::Max => RedOp::Max,
-        ReduceOp::Min => RedOp::Min,
     }
 }

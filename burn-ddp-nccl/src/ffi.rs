@@ -28,7 +28,7 @@ use std::ffi::{CStr, c_char, c_int, c_uint, c_void};
 use cudarc::driver::sys as cu;
 use cudarc::nccl::sys;
 
-use crate::tables::{DType, RedOp};
+use crate::tables::{DType, ReduceOp};
 
 /// Whether libcuda and libnccl can be loaded (never panics).
 pub(crate) fn libraries_present() -> (bool, bool) {
@@ -178,7 +178,7 @@ pub(crate) enum RawOp {
         send: u64,
         recv: u64,
         count: usize,
-        op: RedOp,
+        op: ReduceOp,
     },
     /// `count` elements of `root`'s `send` land in every rank's `recv`.
     Broadcast {
@@ -195,7 +195,7 @@ pub(crate) enum RawOp {
         send: u64,
         recv: u64,
         count: usize,
-        op: RedOp,
+        op: ReduceOp,
     },
 }
 

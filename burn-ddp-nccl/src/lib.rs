@@ -50,9 +50,9 @@ pub use buffer::POISON_VAR;
 #[cfg(feature = "cuda")]
 pub use comm::pending::Pending;
 #[cfg(feature = "cuda")]
-pub use comm::{NcclComm, ReduceOp, check_libraries, unique_id};
+pub use comm::{NcclComm, check_libraries, unique_id};
 pub use error::NcclError;
 #[cfg(feature = "cuda")]
-pub use tables::cuda_ordinal;
+pub use tables::{ReduceOp, cuda_ordinal};
 #[cfg(feature = "cuda")]
 pub use waiting::{GRACE, WATCH_INTERVAL};

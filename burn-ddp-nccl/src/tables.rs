@@ -32,12 +32,16 @@ impl DType {
     }
 }
 
-/// The reductions NCCL performs here.
+/// Reductions offered by [`crate::NcclComm::start_all_reduce`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum RedOp {
+pub enum ReduceOp {
+    /// Sum.
     Sum,
+    /// Average (`ncclAvg`).
     Avg,
+    /// Maximum.
     Max,
+    /// Minimum.
     Min,
 }
 
@@ -120,14 +124,14 @@ impl DType {
     }
 }
 
-impl RedOp {
+impl ReduceOp {
     /// NCCL's enumerator for it.
     pub(crate) fn raw(self) -> sys::ncclRedOp_t {
         match self {
-            RedOp::Sum => sys::ncclRedOp_t::ncclSum,
-            RedOp::Avg => sys::ncclRedOp_t::ncclAvg,
-            RedOp::Max => sys::ncclRedOp_t::ncclMax,
-            RedOp::Min => sys::ncclRedOp_t::ncclMin,
+            ReduceOp::Sum => sys::ncclRedOp_t::ncclSum,
+            ReduceOp::Avg => sys::ncclRedOp_t::ncclAvg,
+            ReduceOp::Max => sys::ncclRedOp_t::ncclMax,
+            ReduceOp::Min => sys::ncclRedOp_t::ncclMin,
         }
     }
 }
@@ -151,10 +155,10 @@ mod tests {
             assert_eq!(ours.raw() as i32, abi, "{ours:?}");
         }
         let ops = [
-            (RedOp::Sum, 0),
-            (RedOp::Max, 2),
-            (RedOp::Min, 3),
-            (RedOp::Avg, 4),
+            (ReduceOp::Sum, 0),
+            (ReduceOp::Max, 2),
+            (ReduceOp::Min, 3),
+            (ReduceOp::Avg, 4),
         ];
         for (ours, abi) in ops {
             assert_eq!(ours.raw() as i32, abi, "{ours:?}");
