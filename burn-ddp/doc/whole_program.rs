@@ -126,7 +126,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let result = training.launch_ddp(learner)?;
 
     // Every replica ends identical: each rank prints the same checksum.
-    let checksum = burn_ddp::train::flat_parameters(&result.model)
+    let checksum = burn_ddp::train::parameters_to_vector(&result.model)
         .iter()
         .fold(0xcbf2_9ce4_8422_2325_u64, |h, v| {
             (h ^ u64::from(v.to_bits())).wrapping_mul(0x0100_0000_01b3)

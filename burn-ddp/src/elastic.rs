@@ -94,7 +94,7 @@ pub(crate) fn record_error_with(message: impl FnOnce() -> String) {
 
 /// The error file's content for `message` at `timestamp` (seconds since the epoch). torchrun
 /// prints `py_callstack` when present, so it holds the message too.
-pub fn error_file_json(message: &str, timestamp: u64) -> String {
+pub(crate) fn error_file_json(message: &str, timestamp: u64) -> String {
     let m = crate::wire::json_string(message);
     format!(
         "{{\"message\": {{\"message\": {m}, \"extraInfo\": {{\"py_callstack\": {m}, \

@@ -63,7 +63,7 @@ pub mod collectives;
 pub mod elastic;
 pub mod env;
 mod error;
-pub mod failure;
+mod failure;
 mod group;
 pub mod launch;
 mod limits;

@@ -15,6 +15,18 @@ pub fn widen_leave_window(port: u16, pause: Duration) {
     crate::collectives::transport::shm::setup::widen_leave_window(port, pause);
 }
 
+pub use crate::failure::FailureRecord;
+#[cfg(feature = "train")]
+pub use crate::train::learner::checkpoint::{GatherStats, last_gather as last_checkpoint_gather};
+
+/// The parameters (indices in visit order) of each of `reducer`'s buckets, in bucket order.
+#[cfg(feature = "train")]
+pub fn bucket_layout(reducer: &crate::train::GradientReducer) -> Vec<Vec<usize>> {
+    (reducer.plan().buckets.iter())
+        .map(|b| b.params.clone())
+        .collect()
+}
+
 #[cfg(target_os = "linux")]
 pub mod cluster;
 

@@ -9,21 +9,18 @@
 //! - `report/`, what rank 0 shows: progress, metrics gathered from every rank
 //!   ([`GlobalItem`]) and each step's [`Telemetry`].
 
-mod learner;
+pub(crate) mod learner;
 mod reducer;
 mod report;
 
 pub use learner::checkpoint::{CHECKPOINT_FILE, CheckpointConfig, Position, inspect_checkpoint};
-#[cfg(feature = "test-support")]
-#[doc(hidden)]
-pub use learner::checkpoint::{GatherStats, last_gather as last_checkpoint_gather};
 pub use learner::{BufferSync, DdpLearner, DdpTraining, DistributedDataset, DistributedSampler};
 pub use reducer::GradientReducer;
-pub use reducer::bucket::{Bucket, BucketConfig, BucketPlan};
+pub use reducer::bucket::BucketConfig;
 pub use reducer::compression::Compression;
 pub use reducer::non_finite::NonFinite;
 pub use reducer::ownership::Sharding;
-pub use reducer::params::{ParamInfo, broadcast_module, check_agreement, flat_parameters, layout};
+pub use reducer::params::{broadcast_module, parameters_to_vector};
 pub use report::{
     DdpMetric, GlobalItem, JobStats, LineRenderer, ProgressOutput, QuietRenderer, StepInput,
     StepStats, Telemetry,

@@ -5,7 +5,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::Result;
 use burn::tensor::{Device, Tensor, TensorData};
-use burn_ddp::failure::FailureRecord;
+use burn_ddp::testing::FailureRecord;
 use burn_ddp::{ProcessGroup, ReduceOp};
 
 use crate::verdict::{buckets_hold, names_the_dead_rank, relative_error};

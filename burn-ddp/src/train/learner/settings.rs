@@ -2,7 +2,7 @@
 //! what the ranks compute or send (among them the bucket sizes, which decide the buckets and,
 //! when sharded, which rank owns which parameter), and the user's own (`DdpLearner::setting`). They are
 //! compared across the ranks as a whole, with the model's layout, before the first step
-//! ([`crate::train::check_agreement`]); a mismatch stops every rank naming the setting.
+//! ([`check_agreement`](crate::train::reducer::params::check_agreement)); a mismatch stops every rank naming the setting.
 
 use crate::train::learner::buffers::BufferSync;
 use crate::train::reducer::bucket::BucketConfig;

@@ -42,15 +42,9 @@ pub struct BucketPlan {
 }
 
 impl BucketPlan {
-    /// Plans buckets for parameters of `sizes[i]` elements of `elem_bytes` bytes each.
-    ///
-    /// ```
-    /// use burn_ddp::train::{BucketConfig, BucketPlan};
-    /// let cfg = BucketConfig { cap_bytes: 40, first_cap_bytes: 16 };
-    /// let plan = BucketPlan::new(&[4, 4, 4, 4, 4], 4, &cfg);
-    /// let params: Vec<_> = plan.buckets.iter().map(|b| b.params.clone()).collect();
-    /// assert_eq!(params, vec![vec![4], vec![3, 2], vec![1, 0]]);
-    /// ```
+    /// Plans buckets for parameters of `sizes[i]` elements of `elem_bytes` bytes each, in
+    /// reverse visit order (the last parameters' gradients are ready first), the first bucket
+    /// capped at `config.first_cap_bytes`, the others at `config.cap_bytes`.
     pub fn new(sizes: &[usize], elem_bytes: usize, config: &BucketConfig) -> Self {
         let mut buckets = Vec::new();
         let mut current = Bucket {
@@ -88,6 +82,17 @@ impl BucketPlan {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn buckets_fill_in_reverse_order_up_to_their_caps() {
+        let cfg = BucketConfig {
+            cap_bytes: 40,
+            first_cap_bytes: 16,
+        };
+        let plan = BucketPlan::new(&[4, 4, 4, 4, 4], 4, &cfg);
+        let params: Vec<_> = plan.buckets.iter().map(|b| b.params.clone()).collect();
+        assert_eq!(params, vec![vec![4], vec![3, 2], vec![1, 0]]);
+    }
 
     #[test]
     fn every_parameter_lands_in_exactly_one_bucket_within_caps() {

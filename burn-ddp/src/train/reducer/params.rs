@@ -253,9 +253,10 @@ impl ModuleMapper for Assign {
     }
 }
 
-/// Every float tensor of `module` (parameters and buffers) as `f32`, flattened in visit order:
-/// for comparing replicas and checking results.
-pub fn flat_parameters<M: Module>(module: &M) -> Vec<f32> {
+/// Every float tensor of `module` (parameters and buffers) as `f32`, flattened in visit order,
+/// as PyTorch's `torch.nn.utils.parameters_to_vector`: for comparing replicas and checking
+/// results.
+pub fn parameters_to_vector<M: Module>(module: &M) -> Vec<f32> {
     flat_values(module, Select::All)
 }
 

@@ -97,7 +97,7 @@ impl GradientReducer {
     }
 
     /// The bucket plan.
-    pub fn plan(&self) -> &BucketPlan {
+    pub(crate) fn plan(&self) -> &BucketPlan {
         &self.plan
     }
 

@@ -13,9 +13,9 @@ use burn::tensor::Tensor;
 
 use crate::collectives::backend::slices::{concat, cut};
 use crate::error::{DdpError, Result};
-use crate::train::ParamInfo;
 use crate::train::reducer::GradientReducer;
 use crate::train::reducer::RegisterGradients;
+use crate::train::reducer::params::ParamInfo;
 use crate::train::reducer::params::param_ids;
 use crate::train::report::telemetry::StepStats;
 use crate::train::report::telemetry::trace::{COMMUNICATION, COMPUTE, Span, Trace};

@@ -29,7 +29,7 @@ impl GradientReducer {
     /// use burn_ddp::ProcessGroup;
     /// use burn_ddp::store::StoreServer;
     /// use burn_ddp::train::{BucketConfig, GradientReducer, Sharding};
-    /// use burn_ddp::train::{broadcast_module, flat_parameters};
+    /// use burn_ddp::train::{broadcast_module, parameters_to_vector};
     ///
     /// /// One rank of a hand-written loop with its gradients and optimizer sharded (ZeRO-2).
     /// fn train(group: ProcessGroup) -> burn_ddp::Result<Vec<f32>> {
@@ -48,7 +48,7 @@ impl GradientReducer {
     ///         model = optim.step(0.1, model, grads); // steps those
     ///         model = reducer.share_parameters(model)?; // the others from their owners
     ///     }
-    ///     Ok(flat_parameters(&model))
+    ///     Ok(parameters_to_vector(&model))
     /// }
     ///
     /// // Two ranks as threads of this process, over loopback TCP.

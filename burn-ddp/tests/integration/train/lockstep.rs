@@ -8,7 +8,9 @@ use burn::optim::SgdConfig;
 use burn::tensor::Device;
 use burn::train::TrainStep;
 use burn_ddp::ProcessGroup;
-use burn_ddp::train::{DistributedSampler, GradientReducer, broadcast_module, flat_parameters};
+use burn_ddp::train::{
+    DistributedSampler, GradientReducer, broadcast_module, parameters_to_vector,
+};
 
 use super::model::{Batch, DATA, Net, Points, ToBatch, flex, new_net};
 use super::small_buckets;
@@ -69,7 +71,7 @@ pub(crate) fn identical_after_every_step(device: &Device) {
                 let out = TrainStep::step(&model, batch.unwrap());
                 let grads = reducer.reduce(&model, out.grads).unwrap();
                 model = optim.step(0.5, model, grads);
-                let params = flat_parameters(&model);
+                let params = parameters_to_vector(&model);
                 let all = group
                     .all_gather(digest(bytemuck::cast_slice(&params)).to_le_bytes().to_vec())
                     .wait()

@@ -14,7 +14,8 @@ use burn::optim::SgdConfig;
 use burn::train::SupervisedTraining;
 use burn_ddp::ProcessGroup;
 use burn_ddp::train::{
-    DdpLearner, DdpTraining, DistributedSampler, ProgressOutput, QuietRenderer, flat_parameters,
+    DdpLearner, DdpTraining, DistributedSampler, ProgressOutput, QuietRenderer,
+    parameters_to_vector,
 };
 
 use super::model::{
@@ -65,7 +66,7 @@ fn train(
         return Err(format!("{e:?}"));
     }
     Ok(Trained {
-        params: digest(bytemuck::cast_slice(&flat_parameters(&result.model))),
+        params: digest(bytemuck::cast_slice(&parameters_to_vector(&result.model))),
         seen,
     })
 }

@@ -168,7 +168,7 @@ fn with_the_take_owners_group_an_optimizer_step_takes_the_values_of_exactly_thos
         .cloned()
         .collect();
     assert_eq!(taken.len(), 2, "{paths:?}");
-    let before = crate::train::flat_parameters(&model);
+    let before = crate::train::parameters_to_vector(&model);
     let mut optim = SgdConfig::new()
         .init()
         .with_group(take_owners_group(&taken), TakeOwners, None);
@@ -178,7 +178,7 @@ fn with_the_take_owners_group_an_optimizer_step_takes_the_values_of_exactly_thos
         value: |t: Tensor<2>| t.ones_like() * 7.0,
     });
     let model = optim.step(0.5, model, grads);
-    let after = crate::train::flat_parameters(&model);
+    let after = crate::train::parameters_to_vector(&model);
     // Visit order: a.weight (6), a.bias (2), inner.a.weight (6), inner.a.bias (2).
     for (i, (x, y)) in before.iter().zip(&after).enumerate() {
         let expected = if i < 8 { 7.0 } else { x - 0.5 * 7.0 };

@@ -11,9 +11,10 @@ use burn::data::dataset::{Dataset, DatasetError};
 use burn::optim::AdamConfig;
 use burn::train::SupervisedTraining;
 use burn_ddp::GroupOptions;
+use burn_ddp::testing::{GatherStats, last_checkpoint_gather};
 use burn_ddp::train::{
-    CheckpointConfig, DdpLearner, DdpTraining, GatherStats, ProgressOutput, QuietRenderer,
-    Sharding, inspect_checkpoint, last_checkpoint_gather,
+    CheckpointConfig, DdpLearner, DdpTraining, ProgressOutput, QuietRenderer, Sharding,
+    inspect_checkpoint,
 };
 
 use super::super::job::{Job, train_rank};
