@@ -319,6 +319,20 @@ table_of() {
 ranks="two ranks on one GPU"
 [ "$gpus" -ge 2 ] && ranks="one rank per GPU"
 check="$work/bin/gpu-check"
+# Runs `gpu-check $4` as step $2 at world $1 (1 or 2) with limit $3, adds the CHECK rows of its
+# log (rank 0's) to the table, and records row $5 as failed when it did not exit 0; returns its
+# exit status.
+checked() {
+    local world="$1" name="$2" own="$3" sub="$4" row="$5" rc logs
+    "world$world" "$name" "$own" "$check" "$sub"
+    rc=$?
+    logs="$name"
+    [ "$world" -eq 2 ] && logs="$name-0 $name-1"
+    table_of "$work/${logs%% *}.log"
+    # shellcheck disable=SC2086
+    [ "$rc" -eq 0 ] || failed_step "$row" "$name" "$rc" $logs
+    return "$rc"
+}
 
 # 1. World size 1 (out of place, so a wrong pointer shows): gather, the four reductions and
 # broadcast of f32/f16/bf16 (f64 where burn has it), started on one thread and finished on another.
@@ -340,14 +354,8 @@ fi
 
 # 2. Every collective through the process group against the host's result, outputs poisoned
 # (NaN) first: at world 1 (where the right result equals the input) and at world 2.
-world1 coll1 60 "$check" collectives
-rc=$?
-table_of "$work/coll1.log"
-[ "$rc" -eq 0 ] || failed_step "world 1 collectives" coll1 "$rc" coll1
-world2 coll 90 "$check" collectives
-rc=$?
-table_of "$work/coll-0.log"
-[ "$rc" -eq 0 ] || failed_step "world 2 collectives ($ranks)" coll "$rc" coll-0 coll-1
+checked 1 coll1 60 collectives "world 1 collectives"
+checked 2 coll 90 collectives "world 2 collectives ($ranks)"
 
 # 3. A rank dies in the middle of an all-reduce: the other records it as the culprit within 10 s.
 world2 die 40 "$check" die
@@ -358,28 +366,17 @@ grep -q '^CHECK ' "$work/die-0.log" 2>/dev/null ||
 
 # 4. The bucket path's bandwidth at world 2 against a device copy of the same bytes; the
 # buckets' results are checked.
-world2 bw 60 "$check" bandwidth
-rc=$?
-table_of "$work/bw-0.log"
-[ "$rc" -eq 0 ] || failed_step "bucket all-reduce bandwidth, world 2" bw "$rc" bw-0 bw-1
+checked 2 bw 60 bandwidth "bucket all-reduce bandwidth, world 2"
 
 # 5. SyncBatchNorm at world 2 against BatchNorm on the whole batch.
-world2 bn 60 "$check" syncbn
-rc=$?
-table_of "$work/bn-0.log"
-[ "$rc" -eq 0 ] || failed_step "SyncBatchNorm world 2 ($ranks)" bn "$rc" bn-0 bn-1
+checked 2 bn 60 syncbn "SyncBatchNorm world 2 ($ranks)"
 
 # 6. The f32 matmul's error against the host's exact product, measured in one process: burn
 # 0.22's CUDA matmul rounds f32 inputs to TF32 on tensor cores (no switch turns that off), so
 # the limits of the comparisons below that run different batch shapes are set from it.
 tf32=0
-if world1 mm 30 "$check" precision; then
-    table_of "$work/mm.log"
+if checked 1 mm 30 precision "f32 matmul precision"; then
     tf32=$(grep -o 'relative error [0-9.e+-]*' "$work/mm.log" | head -n 1 | awk '{print $3}')
-else
-    rc=$?
-    table_of "$work/mm.log"
-    failed_step "f32 matmul precision" mm "$rc" mm
 fi
 
 # 7. DdpLearner: world 2 x batch 16 against world 1 x batch 32 (relative error of the final

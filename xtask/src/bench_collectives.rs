@@ -1,7 +1,11 @@
 //! `bench-collectives`: the all-reduce and reduce-scatter benchmark on N rank processes,
-//! optionally with PyTorch gloo's all-reduce in the same run (and, with `--hosts`, across hosts of network namespaces: see
-//! `cluster::bench_across_hosts`). It prints figures, it does not pass or fail; it builds in the
-//! release profile unless given `--debug` (the smoke test's way to run it quickly).
+//! optionally with PyTorch gloo's all-reduce in the same run (and, with `--hosts`, across hosts
+//! of network namespaces: `across_hosts`; the rank program's reports: `report`). It prints
+//! figures, it does not pass or fail; it builds in the release profile unless given `--debug`
+//! (the smoke test's way to run it quickly).
+
+mod across_hosts;
+mod report;
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -9,6 +13,9 @@ use std::process::Command;
 use anyhow::{Context, Result, bail};
 use burn_ddp::launch::{LaunchConfig, launch};
 use clap::Args;
+
+use across_hosts::AcrossHosts;
+use report::{Row, human, read_report};
 
 use crate::build::build_cpu_program;
 
@@ -42,7 +49,7 @@ pub struct BenchCollectives {
     /// all-reduce of S/2 bytes of bf16, its algbw that of S bytes) [default: f32; with
     /// --hosts: both]
     #[arg(long, value_parser = ["f32", "bf16"])]
-    pub(crate) dtype: Option<String>,
+    dtype: Option<String>,
     /// Also time PyTorch gloo's all-reduce in the same run, with this Python (one with torch
     /// installed), and print the ratios
     #[arg(long, value_name = "PYTHON")]
@@ -50,22 +57,22 @@ pub struct BenchCollectives {
     /// Run on this many hosts made of network namespaces (root; see `cargo xtask cluster`),
     /// comparing the flat TCP ring with the hierarchical all-reduce
     #[arg(long, value_name = "N")]
-    pub(crate) hosts: Option<usize>,
+    hosts: Option<usize>,
     /// With --hosts: ranks per host
     #[arg(long, value_name = "N", default_value_t = 2, requires = "hosts")]
-    pub(crate) nproc_per_host: usize,
+    nproc_per_host: usize,
     /// With --hosts: rate of each host's link in tc syntax (`1gbit`) [default: unlimited]
     #[arg(long, value_name = "RATE", requires = "hosts")]
-    pub(crate) link_rate: Option<String>,
+    link_rate: Option<String>,
     /// Build in the dev profile (quick to build, not for figures)
     #[arg(long)]
-    pub(crate) debug: bool,
+    debug: bool,
 }
 
 impl BenchCollectives {
     /// The flags of the rank program that this task forwards (not the transport nor the
     /// element type).
-    pub fn forwarded(&self) -> Vec<String> {
+    fn forwarded(&self) -> Vec<String> {
         let mut out = Vec::new();
         let spin = self.spin_us.map(|us| us.to_string());
         for (name, value) in [
@@ -85,8 +92,15 @@ impl BenchCollectives {
 
 /// Runs `bench-collectives`.
 pub fn bench_collectives(task: BenchCollectives) -> Result<()> {
-    if task.hosts.is_some() {
-        return crate::cluster::bench_across_hosts(&task);
+    if let Some(hosts) = task.hosts {
+        return across_hosts::bench(&AcrossHosts {
+            hosts,
+            per_host: task.nproc_per_host,
+            link_rate: task.link_rate.as_deref(),
+            dtype: task.dtype.as_deref(),
+            forwarded: task.forwarded(),
+            debug: task.debug,
+        });
     }
     let exe = build_cpu_program("bench_collectives", !task.debug)?;
     let scratch = std::env::temp_dir().join(format!("burn-ddp-bench-coll-{}", std::process::id()));
@@ -111,29 +125,6 @@ pub fn bench_collectives(task: BenchCollectives) -> Result<()> {
     }
     let _ = std::fs::remove_dir_all(&scratch);
     Ok(())
-}
-
-/// One size's figures: bytes, median time in microseconds, bus bandwidth in GB/s.
-pub type Row = (u64, f64, f64);
-
-/// Reads a `bench_collectives --report` file.
-pub fn read_report(path: &Path) -> Result<Vec<Row>> {
-    let text = std::fs::read_to_string(path)
-        .with_context(|| format!("reading the report {}", path.display()))?;
-    text.lines()
-        .map(|line| {
-            let parse = |line: &str| -> Option<Row> {
-                let mut f = line.split_whitespace().map(str::trim);
-                let row = (
-                    f.next()?.parse().ok()?,
-                    f.next()?.parse().ok()?,
-                    f.next()?.parse().ok()?,
-                );
-                f.next().is_none().then_some(row)
-            };
-            parse(line).with_context(|| format!("a bad line {line:?} in {}", path.display()))
-        })
-        .collect()
 }
 
 /// Runs gloo's all-reduce benchmark under torchrun with `python`.
@@ -188,15 +179,5 @@ fn print_comparison(ours: &[Row], gloo: &[Row]) {
             g.2,
             o.2 / g.2
         );
-    }
-}
-
-/// `bytes` in K/M/G (binary) units.
-pub fn human(bytes: u64) -> String {
-    match bytes {
-        b if b >= 1 << 30 && b % (1 << 30) == 0 => format!("{} GiB", b >> 30),
-        b if b >= 1 << 20 && b % (1 << 20) == 0 => format!("{} MiB", b >> 20),
-        b if b >= 1 << 10 && b % (1 << 10) == 0 => format!("{} KiB", b >> 10),
-        b => format!("{b} B"),
     }
 }

@@ -5,14 +5,15 @@
 //! fail; it builds in the release profile unless given `--debug` (the smoke test's way to run it
 //! quickly).
 
+mod run;
 mod runner;
 mod runs;
 
 use anyhow::Result;
 use clap::Args;
 
-use runner::Runner;
-use runner::TRANSFORMER;
+use run::{Timing, TrainRun, median, rate, step};
+use runner::{Runner, Shared, TRANSFORMER};
 use runs::{
     across_hosts_runs, print_shard_table, shard_runs, summarise_across_hosts, summarise_shard,
     summarise_this_host, summarise_transformer, this_host_runs, transformer_runs,
@@ -82,72 +83,18 @@ impl BenchTrain {
     }
 }
 
-/// One quickstart run's figures, read from its `--report` file.
-struct Timing {
-    seconds: f64,
-    steps: f64,
-    samples: f64,
-    /// Bytes each rank sends into the gradient all-reduces per step.
-    bytes: f64,
-    /// Bytes each rank sends per step on a ring (with sharding: the reduce-scatter and the
-    /// parameters' all-gather).
-    sent: f64,
-    /// Each rank's optimizer-state bytes at the end, and its peak resident memory.
-    ranks: Vec<(f64, f64)>,
-    /// Milliseconds per step rank 0 waited for gradient communication.
-    exposed_ms: f64,
-}
-
-impl Timing {
-    fn per_step_ms(&self) -> f64 {
-        self.seconds * 1e3 / self.steps
-    }
-    fn samples_per_sec(&self) -> f64 {
-        self.samples / self.seconds
-    }
-}
-
-fn median(mut xs: Vec<f64>) -> f64 {
-    xs.sort_by(f64::total_cmp);
-    xs[xs.len() / 2]
-}
-
-/// One kind of quickstart run in `bench-train`.
-struct TrainRun {
-    label: String,
-    /// Ranks (per host when `across_hosts`).
-    nproc: usize,
-    /// burn's own Learner instead of DdpLearner.
-    plain: bool,
-    /// Extra quickstart flags.
-    extra: &'static [&'static str],
-    /// `BURN_DDP_TRANSPORT`.
-    transport: &'static str,
-    /// On every host of the cluster instead of on this host.
-    across_hosts: bool,
-}
-
-impl TrainRun {
-    fn here(label: impl Into<String>, nproc: usize, extra: &'static [&'static str]) -> Self {
-        TrainRun {
-            label: label.into(),
-            nproc,
-            plain: false,
-            extra,
-            transport: "tcp",
-            across_hosts: false,
-        }
-    }
-    fn transport(mut self, transport: &'static str) -> Self {
-        self.transport = transport;
-        self
-    }
-}
-
 /// Runs `bench-train`.
 pub fn bench_train(task: BenchTrain) -> Result<()> {
     let repeats = task.repeats.max(1);
-    let runner = Runner::new(&task)?;
+    let runner = Runner::new(Shared {
+        epochs: task.epochs(),
+        batch_size: task.batch_size(),
+        samples: task.samples,
+        model: task.model(),
+        hosts: task.hosts,
+        link_rate: task.link_rate.as_deref(),
+        debug: task.debug,
+    })?;
     let transformer = task.model() == Some(TRANSFORMER);
     let runs = match task.hosts {
         Some(hosts) => across_hosts_runs(hosts, task.nproc_per_host, task.link_rate.as_deref()),
@@ -164,7 +111,7 @@ pub fn bench_train(task: BenchTrain) -> Result<()> {
     }
     let model = runner.finish();
     if task.shard {
-        print_shard_table(&task, repeats, &runs, &timings);
+        print_shard_table((task.epochs(), task.batch_size()), repeats, &runs, &timings);
         summarise_shard(&timings);
         return Ok(());
     }
@@ -206,14 +153,4 @@ fn print_table(
             exposed
         );
     }
-}
-
-/// Median milliseconds per step.
-fn step(t: &[Timing]) -> f64 {
-    median(t.iter().map(Timing::per_step_ms).collect())
-}
-
-/// Median samples per second.
-fn rate(t: &[Timing]) -> f64 {
-    median(t.iter().map(Timing::samples_per_sec).collect())
 }

@@ -11,10 +11,10 @@ use clap::Args;
 
 use crate::build::{build, build_cpu_program};
 
-/// N CPU ranks of an example binary; a failed job is restarted up to --max-restarts times.
+/// What `multi-cpu` and `multi-gpu` start: the launcher's flags, the program, its profile and
+/// its ranks' arguments (the help texts are `multi-cpu`'s; `multi-gpu` words its own).
 #[derive(Debug, Args)]
-#[command(mut_arg("nproc_per_node", |a| a.default_value("2")))]
-pub struct MultiCpu {
+struct Ranks {
     #[command(flatten)]
     launch: LaunchArgs,
     /// The binary or example to run: quickstart, digits, hello_ddp, ...
@@ -28,27 +28,34 @@ pub struct MultiCpu {
     args: Vec<OsString>,
 }
 
+/// N CPU ranks of an example binary; a failed job is restarted up to --max-restarts times.
+#[derive(Debug, Args)]
+#[command(mut_arg("nproc_per_node", |a| a.default_value("2")))]
+pub struct MultiCpu {
+    #[command(flatten)]
+    ranks: Ranks,
+}
+
 /// One rank per visible GPU (CUDA_VISIBLE_DEVICES respected), examples built with CUDA.
 #[derive(Debug, Args)]
-#[command(mut_arg("nproc_per_node", |a| {
-    a.help("Ranks on this node, one per GPU [default: one per visible GPU]")
-}))]
+#[command(
+    mut_arg("nproc_per_node", |a| {
+        a.help("Ranks on this node, one per GPU [default: one per visible GPU]")
+    }),
+    mut_arg("example", |a| {
+        a.help("The binary to run: quickstart, digits (trained on the GPU), or another")
+    }),
+    mut_arg("args", |a| {
+        a.help("Arguments for every rank, after `--` (quickstart and digits get `--device cuda`)")
+    })
+)]
 pub struct MultiGpu {
     #[command(flatten)]
-    launch: LaunchArgs,
-    /// The binary to run: quickstart, digits (trained on the GPU), or another
-    #[arg(long, value_name = "NAME", default_value = "quickstart")]
-    example: String,
-    /// Build in the release profile (default: dev)
-    #[arg(long)]
-    release: bool,
-    /// Arguments for every rank, after `--` (quickstart and digits get `--device cuda`)
-    #[arg(last = true, value_name = "ARGS")]
-    args: Vec<OsString>,
+    ranks: Ranks,
 }
 
 /// Runs `multi-cpu`.
-pub fn multi_cpu(task: MultiCpu) -> Result<()> {
+pub fn multi_cpu(MultiCpu { ranks: task }: MultiCpu) -> Result<()> {
     let exe = build_cpu_program(&task.example, task.release)?;
     launch(&task.launch.config(exe, task.args)).context("multi-cpu run failed")
 }
@@ -75,7 +82,7 @@ fn visible_gpus() -> usize {
 }
 
 /// Runs `multi-gpu`.
-pub fn multi_gpu(task: MultiGpu) -> Result<()> {
+pub fn multi_gpu(MultiGpu { ranks: task }: MultiGpu) -> Result<()> {
     let visible = visible_gpus();
     let nproc = task.launch.nproc_per_node.unwrap_or(visible);
     if nproc == 0 || nproc > visible {

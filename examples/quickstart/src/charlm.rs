@@ -13,7 +13,7 @@
 
 use std::sync::Arc;
 
-use anyhow::{Context, Result, bail};
+use anyhow::Result;
 use burn::data::dataloader::batcher::Batcher;
 use burn::data::dataset::{Dataset, DatasetError};
 use burn::module::Module;
@@ -28,13 +28,13 @@ use burn::optim::grad_clipping::GradientClippingConfig;
 use burn::optim::lr_scheduler::module_lr_scheduler::ModuleLrScheduler;
 use burn::optim::lr_scheduler::noam::NoamLrSchedulerConfig;
 use burn::tensor::{Device, Int, Tensor, TensorData};
-use burn::train::{ClassificationOutput, InferenceStep, Learner, TrainOutput, TrainStep};
+use burn::train::{ClassificationOutput, InferenceStep, TrainOutput, TrainStep};
 use burn_ddp::ProcessGroup;
-use burn_ddp::train::{DdpLearner, DdpTraining, GradientReducer};
+use burn_ddp::train::{Compression, DdpLearner};
 
 use crate::model::percent_correct;
-use crate::report::{Report, Sent, mean_exposed_ms};
-use crate::training::{Display, Loaders, supervised_training};
+use crate::report::Report;
+use crate::timed::{Learning, Reduction, Settings, timed_run};
 
 /// The bundled text: Cicero, *De finibus bonorum et malorum*, book 1 (45 BC, public domain), as
 /// the `lipsum` crate ships it (`LIBER_PRIMUS`).
@@ -286,27 +286,8 @@ fn schedule(cfg: &LmConfig) -> Result<ModuleLrScheduler> {
         .map_err(anyhow::Error::msg)
 }
 
-/// What each rank's reducer sends per step (planning only, nothing is sent here).
-fn planned_sent(
-    group: &Arc<ProcessGroup>,
-    cfg: &LmConfig,
-    model: &CharLm,
-    device: &Device,
-) -> Result<Sent> {
-    if group.world_size() == 1 || cfg.plain {
-        return Ok(Sent::default());
-    }
-    let planned = model.clone().fork(device);
-    let reducer = GradientReducer::new(&planned, group.clone(), Default::default())?
-        .sharding(cfg.shard.into());
-    Ok(Sent::of(&reducer))
-}
-
 /// Trains `model` (every rank's is replaced by rank 0's at the start) in `group`.
 pub fn train_model(group: Arc<ProcessGroup>, cfg: &LmConfig, model: CharLm) -> Result<Report> {
-    if cfg.plain && group.world_size() != 1 {
-        bail!("--plain trains with burn's own Learner, on one process only");
-    }
     let device = device();
     // Dropout from this rank's own seed (initialisation and shuffling use the job seed).
     device.seed(rank_seed(cfg.seed, group.rank()));
@@ -314,34 +295,31 @@ pub fn train_model(group: Arc<ProcessGroup>, cfg: &LmConfig, model: CharLm) -> R
     if let Some(n) = cfg.max_sequences {
         train_data = Sequences(Arc::new(train_data.0.iter().take(n).cloned().collect()));
     }
-    let splits = (train_data, valid_data);
-    let Loaders {
-        samplers,
-        train,
-        valid,
-    } = Loaders::new(&group, (cfg.seed, cfg.batch_size), LmBatcher, splits);
-    let steps_per_epoch = train.num_items().div_ceil(cfg.batch_size);
-    let display = Display {
-        quiet: cfg.quiet,
-        plain: cfg.plain,
-    };
-    let (training, progress) =
-        supervised_training((&cfg.artifacts, cfg.epochs), display, train, valid);
     let optim = AdamWConfig::new()
         .with_weight_decay(0.01)
         .with_grad_clipping(Some(GradientClippingConfig::Norm(cfg.clip)))
         .init();
-    let lr = schedule(cfg)?;
-    let sent = planned_sent(&group, cfg, &model, &device)?;
-    let start = std::time::Instant::now();
-    let mut exposed_ms = 0.0;
-    let mut optimizer_state = None;
-    let result = if cfg.plain {
-        training.launch(Learner::new(model, optim, lr))
-    } else {
-        let learner = DdpLearner::with_group(group.clone(), model, optim, lr)
-            .sampler(&samplers.train)
-            .valid_sampler(&samplers.valid)
+    let learning = Learning {
+        model,
+        optim,
+        lr: schedule(cfg)?,
+        device: &device,
+    };
+    let settings = Settings {
+        epochs: cfg.epochs,
+        batch_size: cfg.batch_size,
+        seed: cfg.seed,
+        artifacts: &cfg.artifacts,
+        quiet: cfg.quiet,
+        plain: cfg.plain,
+        reduction: Reduction {
+            desync_check: true,
+            compression: Compression::None,
+            sharding: cfg.shard.into(),
+        },
+    };
+    let settings_of = |training, learner: DdpLearner<CharLm>| {
+        let learner = learner
             .setting("batch_size", cfg.batch_size)
             .setting("seq_len", cfg.seq_len)
             .setting("lr", cfg.lr)
@@ -350,33 +328,12 @@ pub fn train_model(group: Arc<ProcessGroup>, cfg: &LmConfig, model: CharLm) -> R
             .setting(
                 "model",
                 format!("{}x{}x{}", cfg.layers, cfg.d_model, cfg.heads),
-            )
-            .shard_optimizer(cfg.shard.into())
-            .progress(progress);
-        let figures = learner.telemetry().clone();
-        figures.count_optimizer_state();
-        let result = training
-            .launch_ddp(learner)
-            .context("data-parallel training")?;
-        exposed_ms = mean_exposed_ms(&figures);
-        optimizer_state = figures.optimizer_state_bytes();
-        result
+            );
+        (training, learner)
     };
-    let train_seconds = start.elapsed().as_secs_f64();
-    if let Some(e) = &result.error {
-        bail!("training failed: {e}");
-    }
-    let steps = cfg.epochs * steps_per_epoch;
-    Ok(Report {
-        valid_accuracy: accuracy(&result.model, cfg),
-        params: burn_ddp::train::flat_parameters(&result.model),
-        train_seconds,
-        steps,
-        samples: steps * cfg.batch_size * group.world_size(),
-        bytes_per_step: sent.buffers,
-        sent_per_step: sent.wire,
-        exposed_ms,
-        optimizer_state,
+    let data = (LmBatcher, (train_data, valid_data));
+    timed_run(&group, &settings, data, learning, settings_of, |model| {
+        Ok(accuracy(model, cfg))
     })
 }
 

@@ -3,8 +3,9 @@
 //! thin wrapper around [`run`].
 //!
 //! Modules: `data` (the synthetic set, the handwritten digits, batching), `model` (the MLP and
-//! its accuracy), `training` (one run, alone or as a rank), `report` (what it measured:
-//! [`Report`]), `config` (the options and command line).
+//! its accuracy), `training` (one quickstart run, alone or as a rank), `timed` (the timed run
+//! every program of the package shares), `report` (what it measured: [`Report`]), `config` (the
+//! options and command line).
 
 #![warn(missing_docs)]
 
@@ -15,6 +16,7 @@ mod config;
 mod data;
 mod model;
 mod report;
+mod timed;
 mod training;
 
 pub use config::{
@@ -59,13 +61,24 @@ pub fn main_with(defaults: Config) -> Result<()> {
     let cfg = defaults
         .parse_command_line(std::env::args_os())
         .unwrap_or_else(|e| e.exit());
+    train_in_group(&cfg, |group| run(group, &cfg))
+}
+
+/// Forms the group from the environment, trains in it with `train`, and publishes what the run
+/// measured: every rank its parameters' digest and memory figures (and `shown.report`'s
+/// `.rank<r>` file), rank 0 the summary of `shown`'s epochs and batch size, `--report` and
+/// `--params-out`. What every binary of the package ends with.
+pub fn train_in_group(
+    shown: &Config,
+    train: impl FnOnce(Arc<burn_ddp::ProcessGroup>) -> Result<Report>,
+) -> Result<()> {
     let group = Arc::new(burn_ddp::init_process_group().context("forming the process group")?);
-    let report = run(group.clone(), &cfg)?;
+    let report = train(group.clone())?;
     // Every rank's digest: equal digests show the replicas ended identical.
     println!("parameters digest {:016x}", report.digest());
-    report.publish_rank(cfg.report.as_deref(), group.rank())?;
+    report.publish_rank(shown.report.as_deref(), group.rank())?;
     if group.rank() == 0 {
-        report.publish(&cfg, group.world_size())?;
+        report.publish(shown, group.world_size())?;
     }
     Ok(())
 }

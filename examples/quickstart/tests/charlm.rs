@@ -70,7 +70,7 @@ fn world_2_with_batch_b_equals_world_1_with_batch_2b_without_dropout() {
     let two = world(2, &pair, &model);
     let one = world(1, &alone, &model);
     assert_eq!(two[0], two[1], "the replicas differ");
-    let initial = burn_ddp::train::flat_parameters(&model);
+    let initial = burn_ddp::train::parameters_to_vector(&model);
     assert!(
         relative_error(&one[0], &initial) > 1e-3,
         "training did not move the parameters"

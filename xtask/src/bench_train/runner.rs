@@ -7,13 +7,31 @@ use anyhow::{Context, Result};
 use burn_ddp::launch::{LaunchConfig, launch};
 use burn_ddp::testing::cluster::Cluster;
 
-use super::{BenchTrain, Timing, TrainRun};
+use super::run::{Timing, TrainRun};
 use crate::build::build_cpu_program;
 
-/// What every quickstart run of one `bench-train` shares: the program, the cluster and the
-/// scratch directory.
+/// What every run of one `bench-train` is given, from its flags.
+pub(super) struct Shared<'a> {
+    /// Epochs per run.
+    pub epochs: usize,
+    /// Batch size per rank.
+    pub batch_size: usize,
+    /// Training samples per epoch (the quickstart's).
+    pub samples: Option<usize>,
+    /// `--model`, if given (the transformer with `--shard`).
+    pub model: Option<&'a str>,
+    /// Hosts of network namespaces to run across.
+    pub hosts: Option<usize>,
+    /// Rate of each host's link in tc syntax.
+    pub link_rate: Option<&'a str>,
+    /// Build in the dev profile.
+    pub debug: bool,
+}
+
+/// What every quickstart run of one `bench-train` shares: the flags, the program, the cluster
+/// and the scratch directory.
 pub(super) struct Runner<'a> {
-    task: &'a BenchTrain,
+    flags: Shared<'a>,
     /// The quickstart's `--model`, or `transformer` (the `charlm` program).
     model: String,
     /// The quickstart, or `charlm`.
@@ -26,22 +44,22 @@ pub(super) struct Runner<'a> {
 
 impl<'a> Runner<'a> {
     /// Builds the quickstart (and with --hosts the launcher, and creates the cluster).
-    pub(super) fn new(task: &'a BenchTrain) -> Result<Self> {
-        let default_model = if task.hosts.is_some() {
+    pub(super) fn new(flags: Shared<'a>) -> Result<Self> {
+        let default_model = if flags.hosts.is_some() {
             "mlp-large"
         } else {
             "mlp"
         };
-        let model = task.model().unwrap_or(default_model).to_string();
-        if model == TRANSFORMER && task.samples.is_some() {
+        let model = flags.model.unwrap_or(default_model).to_string();
+        if model == TRANSFORMER && flags.samples.is_some() {
             anyhow::bail!("--samples is the quickstart's: the transformer trains on its text");
         }
-        let exe = build_cpu_program(program_of(&model), !task.debug)?;
-        let cluster = match task.hosts {
+        let exe = build_cpu_program(program_of(&model), !flags.debug)?;
+        let cluster = match flags.hosts {
             Some(hosts) => {
-                let launcher = build_cpu_program("burn-ddp-run", !task.debug)?;
+                let launcher = build_cpu_program("burn-ddp-run", !flags.debug)?;
                 Some((
-                    crate::cluster::create(hosts, task.link_rate.clone())?,
+                    crate::cluster::create(hosts, flags.link_rate.map(str::to_string))?,
                     launcher,
                 ))
             }
@@ -51,7 +69,7 @@ impl<'a> Runner<'a> {
             std::env::temp_dir().join(format!("burn-ddp-bench-train-{}", std::process::id()));
         std::fs::create_dir_all(&scratch)?;
         Ok(Runner {
-            task,
+            flags,
             model,
             exe,
             cluster,
@@ -59,14 +77,15 @@ impl<'a> Runner<'a> {
         })
     }
 
-    /// The program's flags for run `r`, writing its report to `report`.
+    /// The program's flags for run `r`, writing its report to `report`: those every run gets,
+    /// then the run's own ([`TrainRun::args`]).
     fn args(&self, r: &TrainRun, report: &Path) -> Vec<String> {
         let mut args: Vec<String> = vec![
             "--quiet".into(),
             "--epochs".into(),
-            self.task.epochs().to_string(),
+            self.flags.epochs.to_string(),
             "--batch-size".into(),
-            self.task.batch_size().to_string(),
+            self.flags.batch_size.to_string(),
             "--report".into(),
             report.display().to_string(),
         ];
@@ -75,13 +94,10 @@ impl<'a> Runner<'a> {
             args.extend(["--artifacts".into(), artifacts, "--model".into()]);
             args.push(self.model.clone());
         }
-        if let Some(n) = self.task.samples {
+        if let Some(n) = self.flags.samples {
             args.extend(["--samples".into(), n.to_string()]);
         }
-        if r.plain {
-            args.push("--plain".into());
-        }
-        args.extend(r.extra.iter().map(|s| s.to_string()));
+        args.extend(r.args.iter().map(|s| s.to_string()));
         args
     }
 

@@ -1,7 +1,7 @@
 //! What `bench-train` runs and what it concludes: the kinds of quickstart run on this host and
 //! across hosts, and the summaries printed under the table.
 
-use super::{Timing, TrainRun, median, rate, step};
+use super::run::{Timing, TrainRun, median, rate, step};
 
 const BF16: &[&str] = &["--compression", "bf16"];
 const FP16: &[&str] = &["--compression", "fp16"];
@@ -10,17 +10,16 @@ const FP16: &[&str] = &["--compression", "fp16"];
 pub(super) fn this_host_runs() -> Vec<TrainRun> {
     let w2 = "DdpLearner, world 2 (tcp)";
     vec![
-        TrainRun {
-            plain: true,
-            ..TrainRun::here("burn Learner, 1 process", 1, &[])
-        },
-        TrainRun::here("DdpLearner, world 1", 1, &[]),
-        TrainRun::here(w2, 2, &[]),
-        TrainRun::here(format!("{w2}, no desync check"), 2, &["--no-desync-check"]),
-        TrainRun::here(format!("{w2}, bf16 gradients"), 2, BF16),
-        TrainRun::here(format!("{w2}, fp16 gradients"), 2, FP16),
-        TrainRun::here(format!("{w2}, shared memory"), 2, &[]).transport("shm"),
-        TrainRun::here(format!("{w2}, shm, bf16"), 2, BF16).transport("shm"),
+        TrainRun::burn_learner(),
+        TrainRun::here("DdpLearner, world 1", 1),
+        TrainRun::here(w2, 2),
+        TrainRun::here(format!("{w2}, no desync check"), 2).args(&["--no-desync-check"]),
+        TrainRun::here(format!("{w2}, bf16 gradients"), 2).args(BF16),
+        TrainRun::here(format!("{w2}, fp16 gradients"), 2).args(FP16),
+        TrainRun::here(format!("{w2}, shared memory"), 2).transport("shm"),
+        TrainRun::here(format!("{w2}, shm, bf16"), 2)
+            .args(BF16)
+            .transport("shm"),
     ]
 }
 
@@ -28,13 +27,10 @@ pub(super) fn this_host_runs() -> Vec<TrainRun> {
 /// DdpLearner at world 2 over TCP and over shared memory.
 pub(super) fn transformer_runs() -> Vec<TrainRun> {
     vec![
-        TrainRun {
-            plain: true,
-            ..TrainRun::here("burn Learner, 1 process", 1, &[])
-        },
-        TrainRun::here("DdpLearner, world 1", 1, &[]),
-        TrainRun::here("DdpLearner, world 2 (tcp)", 2, &[]),
-        TrainRun::here("DdpLearner, world 2, shared memory", 2, &[]).transport("shm"),
+        TrainRun::burn_learner(),
+        TrainRun::here("DdpLearner, world 1", 1),
+        TrainRun::here("DdpLearner, world 2 (tcp)", 2),
+        TrainRun::here("DdpLearner, world 2, shared memory", 2).transport("shm"),
     ]
 }
 
@@ -104,16 +100,15 @@ pub(super) fn across_hosts_runs(
         "world {world}, {hosts} hosts x {per_host}, link {}",
         link.unwrap_or("unlimited")
     );
-    let across_hosts = |label: String, extra| TrainRun {
-        across_hosts: true,
-        ..TrainRun::here(label, per_host, extra).transport("auto")
-    };
+    let auto = |label: String, nproc| TrainRun::here(label, nproc).transport("auto");
     vec![
-        TrainRun::here("world 1", 1, &[]).transport("auto"),
-        TrainRun::here(here.clone(), world, &[]).transport("auto"),
-        TrainRun::here(format!("{here}, bf16 gradients"), world, BF16).transport("auto"),
-        across_hosts(across.clone(), &[]),
-        across_hosts(format!("{across}, bf16 gradients"), BF16),
+        auto("world 1".into(), 1),
+        auto(here.clone(), world),
+        auto(format!("{here}, bf16 gradients"), world).args(BF16),
+        auto(across.clone(), per_host).across_hosts(),
+        auto(format!("{across}, bf16 gradients"), per_host)
+            .args(BF16)
+            .across_hosts(),
     ]
 }
 
@@ -154,7 +149,7 @@ pub(super) fn summarise_across_hosts(timings: &[Vec<Timing>], world: usize) {
 }
 
 /// The transformer of `bench-train --shard`: 26 blocks of width 256 (20.6 M parameters), on
-/// the text's first 64 sequences; unsharded, and sharded in either stage.
+/// the text's first 64 sequences.
 const LM: &[&str] = &[
     "--d-model",
     "256",
@@ -165,44 +160,23 @@ const LM: &[&str] = &[
     "--max-sequences",
     "64",
 ];
-const LM_OPTIMIZER: &[&str] = &[
-    "--d-model",
-    "256",
-    "--heads",
-    "8",
-    "--layers",
-    "26",
-    "--max-sequences",
-    "64",
-    "--shard",
-    "optimizer",
-];
-const LM_GRADIENTS: &[&str] = &[
-    "--d-model",
-    "256",
-    "--heads",
-    "8",
-    "--layers",
-    "26",
-    "--max-sequences",
-    "64",
-    "--shard",
-    "gradients",
-];
 
 /// The runs of `bench-train --shard`: world 1, then worlds 2 and 4 unsharded, with the
 /// optimizer state sharded, and with the gradients too (shared memory).
 pub(super) fn shard_runs() -> Vec<TrainRun> {
-    let mut runs = vec![TrainRun::here("world 1", 1, LM).transport("auto")];
+    let lm = |label: String, world| TrainRun::here(label, world).args(LM).transport("auto");
+    let mut runs = vec![lm("world 1".into(), 1)];
     for world in [2, 4] {
-        for (what, extra) in [
-            ("unsharded", LM),
-            ("sharded: optimizer", LM_OPTIMIZER),
-            ("sharded: optimizer and gradients", LM_GRADIENTS),
+        for (what, stage) in [
+            ("unsharded", None),
+            ("sharded: optimizer", Some("optimizer")),
+            ("sharded: optimizer and gradients", Some("gradients")),
         ] {
-            runs.push(
-                TrainRun::here(format!("world {world}, {what}"), world, extra).transport("auto"),
-            );
+            let run = lm(format!("world {world}, {what}"), world);
+            runs.push(match stage {
+                Some(stage) => run.args(&["--shard", stage]),
+                None => run,
+            });
         }
     }
     runs
@@ -219,8 +193,8 @@ fn largest(t: &[Timing], pick: impl Fn(&(f64, f64)) -> f64) -> f64 {
 
 /// Prints the table of [`shard_runs`]: per run the step time, the largest optimizer state and
 /// peak resident memory of its ranks, and the bytes each rank sends per step.
-pub(in crate::bench_train) fn print_shard_table(
-    task: &super::BenchTrain,
+pub(super) fn print_shard_table(
+    (epochs, batch): (usize, usize),
     repeats: usize,
     runs: &[TrainRun],
     timings: &[Vec<Timing>],
@@ -228,8 +202,7 @@ pub(in crate::bench_train) fn print_shard_table(
     println!(
         "bench-train --shard: transformer of 20.6 M parameters (26 x 256), AdamW, {} epoch(s) of \
          64 sequences, batch {} per rank, shared memory, median of {repeats}",
-        task.epochs(),
-        task.batch_size()
+        epochs, batch
     );
     println!(
         "{:<42} {:>9} {:>17} {:>15} {:>13}",
@@ -250,7 +223,7 @@ pub(in crate::bench_train) fn print_shard_table(
 /// The summary of [`shard_runs`]: against the unsharded run of each world, the optimizer state
 /// per rank (target: at most 1/N of it + 1 %), the step time (target at world 2: within 10 %)
 /// and the bytes sent (target: no more).
-pub(in crate::bench_train) fn summarise_shard(timings: &[Vec<Timing>]) {
+pub(super) fn summarise_shard(timings: &[Vec<Timing>]) {
     for (i, world) in [2usize, 4].into_iter().enumerate() {
         let base = &timings[1 + 3 * i];
         let whole = largest(base, |(state, _)| *state);

@@ -9,11 +9,11 @@ use std::time::{Duration, Instant};
 
 use burn_ddp::secret::{AdmissionError, JobSecret};
 use burn_ddp::store::{Store, StoreServer};
-use burn_ddp::{DdpError, ProcessGroup, ReduceOp};
+use burn_ddp::{DdpError, ProcessGroup};
 
 use super::relay::{Relay, fake_store};
 use super::watch::{keep_warnings, warning, watch_allocations_of, watched_allocation};
-use super::{join_pair, rank_0_accepting, store_client};
+use super::{admission, assert_pair_reduces, pair_met_first_by, secured_store, store_holding};
 use crate::common::{STORE_CHALLENGE_LEN, STORE_HELLO, options, store_answer, store_hello};
 
 const T: Duration = Duration::from_secs(5);
@@ -42,15 +42,9 @@ fn rank(rank: usize, port: u16, secret: &JobSecret) -> burn_ddp::Result<ProcessG
 }
 
 fn is_unproven_store(e: &DdpError) -> bool {
-    matches!(
-        e,
-        DdpError::Admission {
-            source: AdmissionError::Unproven { .. },
-            ..
-        }
-    ) && e
-        .to_string()
-        .contains("the store could not prove it knows the job secret")
+    matches!(admission(e), Some(AdmissionError::Unproven { .. }))
+        && e.to_string()
+            .contains("the store could not prove it knows the job secret")
         && e.to_string().contains("BURN_DDP_SECRET")
 }
 
@@ -72,8 +66,7 @@ fn a_rank_pointed_at_a_fake_store_never_sends_the_secret() {
     assert!(start.elapsed() < T, "took {:?}", start.elapsed());
 
     // A real store holding another secret, behind a recording relay.
-    let other = StoreServer::bind_with_secret("127.0.0.1:0", Some(JobSecret::generate().unwrap()));
-    let other = other.unwrap();
+    let other = store_holding(&JobSecret::generate().unwrap());
     let relay = Relay::start(other.local_addr());
     let e = rank(1, relay.addr().port(), &secret).unwrap_err();
     assert!(is_unproven_store(&e), "{e}");
@@ -89,25 +82,14 @@ fn a_rank_pointed_at_a_fake_store_never_sends_the_secret() {
     );
 
     // The job's own store behind the relay: a whole group forms and reduces through it.
-    let server = StoreServer::bind_with_secret("127.0.0.1:0", Some(secret.clone())).unwrap();
+    let server = store_holding(&secret);
     let relay_ok = Relay::start(server.local_addr());
     let port = relay_ok.addr().port();
-    std::thread::scope(|s| {
-        let secret = &secret;
-        let ranks: Vec<_> = (0..2)
-            .map(|r| s.spawn(move || rank(r, port, secret).unwrap()))
-            .collect();
-        for g in ranks
-            .into_iter()
-            .map(|r| r.join().unwrap())
-            .collect::<Vec<_>>()
-        {
-            s.spawn(move || {
-                let out = g.all_reduce(vec![1.0f32; 8], ReduceOp::Sum).wait().unwrap();
-                assert_eq!(out, vec![2.0; 8]);
-            });
-        }
+    let pair = std::thread::scope(|s| {
+        let rank1 = s.spawn(|| rank(1, port, &secret).unwrap());
+        [rank(0, port, &secret).unwrap(), rank1.join().unwrap()]
     });
+    assert_pair_reduces(&pair);
 
     let mut recorded: Vec<Vec<u8>> = received.lock().unwrap().clone();
     for c in relay.conns().iter().chain(&relay_ok.conns()) {
@@ -141,8 +123,7 @@ fn raw_admission(addr: std::net::SocketAddr, answer: &[u8]) -> (Vec<u8>, String)
 #[test]
 fn clients_without_the_secret_are_refused_and_the_store_serves_on() {
     keep_warnings();
-    let secret = JobSecret::generate().unwrap();
-    let server = StoreServer::bind_with_secret("127.0.0.1:0", Some(secret.clone())).unwrap();
+    let (secret, server) = secured_store();
     let addr = server.local_addr();
     let early = Store::connect_with_secret(&addr.to_string(), T, Some(&secret)).unwrap();
 
@@ -177,8 +158,7 @@ fn clients_without_the_secret_are_refused_and_the_store_serves_on() {
 
 #[test]
 fn a_recorded_handshake_replayed_is_refused_both_ways() {
-    let secret = JobSecret::generate().unwrap();
-    let server = StoreServer::bind_with_secret("127.0.0.1:0", Some(secret.clone())).unwrap();
+    let (secret, server) = secured_store();
     let relay = Relay::start(server.local_addr());
     let client = Store::connect_with_secret(&relay.addr().to_string(), T, Some(&secret)).unwrap();
     assert_eq!(client.add("replayed", 1).unwrap(), 1);
@@ -221,8 +201,7 @@ fn a_recorded_handshake_replayed_is_refused_both_ways() {
 #[test]
 fn an_admitted_client_sending_malformed_frames_meets_named_errors() {
     keep_warnings();
-    let secret = JobSecret::generate().unwrap();
-    let server = StoreServer::bind_with_secret("127.0.0.1:0", Some(secret.clone())).unwrap();
+    let (secret, server) = secured_store();
     let addr = server.local_addr().to_string();
     let bystander = Store::connect_with_secret(&addr, T, Some(&secret)).unwrap();
     let relay = Relay::start(server.local_addr());
@@ -315,33 +294,17 @@ fn a_client_that_asks_too_much_of_the_store_is_refused_and_the_store_serves_on()
 
 #[test]
 fn silent_connections_do_not_hold_up_the_rendezvous() {
-    let secret = JobSecret::generate().unwrap();
-    let server = StoreServer::bind_with_secret("127.0.0.1:0", Some(secret.clone())).unwrap();
-    let port = server.local_addr().port();
-    let build = |rank: usize| join_pair(rank, port, &secret);
-    let store = store_client(port, &secret);
-    std::thread::scope(|s| {
-        let rank0 = s.spawn(|| build(0));
-        // The silent connections are the first rank 0 meets.
-        let addr0 = rank_0_accepting(&store);
-        let addr0: std::net::SocketAddr = String::from_utf8_lossy(&addr0).parse().unwrap();
+    // The silent connections are the first rank 0 meets.
+    let (silent, took) = pair_met_first_by(|addr0| {
+        let addr0: std::net::SocketAddr = String::from_utf8_lossy(addr0).parse().unwrap();
         // Four connections that never say a word (each may take 10 s before it is refused).
         let silent: Vec<TcpStream> = (0..4).map(|_| TcpStream::connect(addr0).unwrap()).collect();
         std::thread::sleep(Duration::from_millis(200));
-        let started = Instant::now();
-        let rank1 = build(1).unwrap();
-        let rank0 = rank0.join().unwrap().unwrap();
-        let took = started.elapsed();
-        assert!(
-            took < Duration::from_secs(5),
-            "the rendezvous took {took:?} behind four silent connections"
-        );
-        let sums: Vec<Vec<f32>> = [&rank0, &rank1]
-            .map(|g| g.all_reduce(vec![1.0f32], ReduceOp::Sum))
-            .into_iter()
-            .map(|w| w.wait().unwrap())
-            .collect();
-        assert_eq!(sums, vec![vec![2.0], vec![2.0]]);
-        drop(silent);
+        silent
     });
+    assert!(
+        took < Duration::from_secs(5),
+        "the rendezvous took {took:?} behind four silent connections"
+    );
+    drop(silent);
 }

@@ -10,7 +10,7 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use burn_ddp::secret::JobSecret;
-use burn_ddp::store::{Store, StoreServer};
+use burn_ddp::store::Store;
 use burn_ddp::{ProcessGroup, ReduceOp};
 
 use super::store_client;
@@ -131,8 +131,7 @@ fn flood_child_ranks() {
 /// its ranks' data plane when `flooded`. Returns the time rank 3's rendezvous took and how
 /// many flood connections were opened.
 fn form(flooded: bool) -> (Duration, usize) {
-    let secret = JobSecret::generate().unwrap();
-    let server = StoreServer::bind_with_secret("127.0.0.1:0", Some(secret.clone())).unwrap();
+    let (secret, server) = super::secured_store();
     let port = server.local_addr().port();
     let store = store_client(port, &secret);
     let exe = std::env::current_exe().unwrap();

@@ -5,7 +5,7 @@
 use std::time::{Duration, Instant};
 
 use burn_ddp::secret::JobSecret;
-use burn_ddp::store::{Store, StoreServer};
+use burn_ddp::store::Store;
 
 use crate::common::options;
 
@@ -13,7 +13,7 @@ const WORLD: usize = 8;
 
 /// Forms a group of `WORLD` threads with `secret`; returns how long the slowest rank took.
 fn form_world(secret: &JobSecret) -> Duration {
-    let server = StoreServer::bind_with_secret("127.0.0.1:0", Some(secret.clone())).unwrap();
+    let server = super::store_holding(secret);
     let port = server.local_addr().port();
     let start = Instant::now();
     let took: Vec<Duration> = std::thread::scope(|s| {
@@ -42,7 +42,7 @@ fn admission_costs_little_at_start_up() {
     let median = worlds[WORLDS / 2];
 
     const CONNECTIONS: usize = 500;
-    let server = StoreServer::bind_with_secret("127.0.0.1:0", Some(secret.clone())).unwrap();
+    let server = super::store_holding(&secret);
     let addr = server.local_addr().to_string();
     let mut each: Vec<Duration> = (0..CONNECTIONS)
         .map(|_| {

@@ -10,7 +10,7 @@ use burn::train::SupervisedTraining;
 use burn_ddp::ProcessGroup;
 use burn_ddp::train::{
     BufferSync, DdpLearner, DdpTraining, DistributedSampler, ProgressOutput, QuietRenderer,
-    flat_parameters,
+    parameters_to_vector,
 };
 
 use super::model::{DATA, Net, Points, ToBatch, flex, new_net, record_steps};
@@ -69,7 +69,7 @@ fn train(world: usize, mode: BufferSync) -> Vec<Outcome> {
         let _ = std::fs::remove_dir_all(&dir);
         Outcome {
             steps,
-            params: flat_parameters(&result.model),
+            params: parameters_to_vector(&result.model),
         }
     })
 }
@@ -88,7 +88,7 @@ fn broadcast_buffers_keep_every_replica_identical_after_every_step() {
         }
         assert_identical(&out.iter().map(|o| o.params.as_slice()).collect::<Vec<_>>());
         // The running statistics moved: they are not just their initial zeros and ones.
-        let initial = flat_parameters(&new_net(&flex(), Some(7), false).with_norm(&flex()));
+        let initial = parameters_to_vector(&new_net(&flex(), Some(7), false).with_norm(&flex()));
         assert!(
             relative_error(&out[0].params[RUNNING], &initial[RUNNING]) > 1e-2,
             "the running statistics did not change"

@@ -3,22 +3,13 @@
 //! parameter some steps leave without gradient. The bodies take the device the ranks train on,
 //! so that every backend runs the same checks (`flex` here, `wgpu` in `crate::wgpu`).
 
-use std::sync::{Arc, Mutex};
-
-use burn::data::dataloader::DataLoaderBuilder;
 use burn::optim::SgdConfig;
 use burn::tensor::Device;
-use burn::train::SupervisedTraining;
-use burn::train::metric::LossMetric;
-use burn_ddp::ProcessGroup;
-use burn_ddp::train::{
-    BucketConfig, Compression, DdpLearner, DdpTraining, DistributedSampler, ProgressOutput,
-    QuietRenderer, flat_parameters,
-};
+use burn_ddp::train::{BucketConfig, Compression, DdpLearner, parameters_to_vector};
 
-use super::model::{DATA, Net, Points, ToBatch, flex, new_net};
+use super::model::{DATA, Net, ToBatch, flex, new_net};
+use super::threads::{Threads, train_on_threads};
 use super::{assert_identical, relative_error, small_buckets};
-use crate::common::{options, run_world};
 
 /// What one rank ends with.
 struct Outcome {
@@ -40,51 +31,33 @@ struct Run<'a> {
 /// Trains on `world` thread ranks. Rank 0 starts from the seed-7 model; other ranks from
 /// different weights, which the start-up broadcast must replace.
 fn train(run: &Run) -> Vec<Outcome> {
-    let models: Vec<Option<Net>> = (0..run.world)
+    let models: Vec<Net> = (0..run.world)
         .map(|r| {
             let seed = if r == 0 { 7 } else { 1000 + r as u64 };
-            Some(new_net(run.device, Some(seed), run.extra))
+            new_net(run.device, Some(seed), run.extra)
         })
         .collect();
-    let models = Mutex::new(models);
-    run_world(run.world, options(60), |group: ProcessGroup| {
-        let rank = group.rank();
-        let model = models.lock().unwrap()[rank].take().unwrap();
-        let group = Arc::new(group);
-        let sampler = DistributedSampler::for_group(&group).seed(5);
-        let loader = |data: Points, s: &DistributedSampler| {
-            DataLoaderBuilder::new(ToBatch)
-                .batch_size(run.batch)
-                .build(s.dataset(data))
-        };
-        let valid_sampler = DistributedSampler::for_group(&group).shuffle(false);
-        let dir = super::thread_dir("test");
-        let mut training = SupervisedTraining::new(
-            &dir,
-            loader(Points(DATA), &sampler),
-            loader(Points(DATA / 2), &valid_sampler),
-        )
-        .metric_train_numeric(LossMetric::new())
-        .renderer(Box::new(QuietRenderer))
-        .with_application_logger(None)
-        .num_epochs(run.epochs);
-        if let Some(k) = run.accumulation {
-            training = training.grads_accumulation(k);
-        }
+    let threads = Threads {
+        world: run.world,
+        batch: run.batch,
+        epochs: run.epochs,
+        seed: 5,
+        accumulation: run.accumulation,
+        loss_metric: true,
+        scratch: "test",
+        batcher: ToBatch,
+    };
+    train_on_threads(&threads, models, |group, model| {
         let learner = DdpLearner::with_group(group.clone(), model, SgdConfig::new().init(), 0.5)
-            .sampler(&sampler)
-            .valid_sampler(&valid_sampler)
             .buckets(run.buckets)
             .compression(run.compression)
-            .setting("batch", run.batch)
-            .progress(ProgressOutput::Keep);
-        let result = training.launch_ddp(learner).expect("training");
-        assert!(result.error.is_none(), "{:?}", result.error);
-        let _ = std::fs::remove_dir_all(&dir);
-        Outcome {
-            params: flat_parameters(&result.model),
+            .setting("batch", run.batch);
+        let group = group.clone();
+        let read = move |model: Net| Outcome {
+            params: parameters_to_vector(&model),
             all_reduces: group.all_reduce_count(),
-        }
+        };
+        (learner, read)
     })
 }
 
@@ -112,7 +85,7 @@ pub(crate) fn equivalence(device: &Device, world: usize, accumulation: Option<us
     let err = relative_error(&ddp[0].params, &reference[0].params);
     eprintln!("world {world}, accumulation {accumulation:?}: relative error {err:e}");
     assert!(err <= 1e-5, "world {world}: relative error {err:e}");
-    let start = flat_parameters(&new_net(device, Some(7), false));
+    let start = parameters_to_vector(&new_net(device, Some(7), false));
     assert!(
         relative_error(&ddp[0].params, &start) > 1e-3,
         "training changed nothing"
@@ -172,7 +145,7 @@ pub(crate) fn unused_parameter(device: &Device) {
     });
     assert_identical(&params(&outcomes));
     assert!(outcomes[0].params.iter().all(|x| x.is_finite()));
-    let start = flat_parameters(&new_net(device, Some(7), true));
+    let start = parameters_to_vector(&new_net(device, Some(7), true));
     assert!(
         relative_error(&outcomes[0].params, &start) > 1e-3,
         "training changed nothing"
@@ -215,7 +188,7 @@ pub(crate) fn compressed(device: &Device, compression: Compression) -> f64 {
     let reference = train(&run(1, 8, Compression::None));
     let ddp = train(&run(2, 4, compression));
     assert_identical(&params(&ddp));
-    let start = flat_parameters(&new_net(device, Some(7), false));
+    let start = parameters_to_vector(&new_net(device, Some(7), false));
     assert!(
         relative_error(&ddp[0].params, &start) > 1e-3,
         "training changed nothing"

@@ -13,7 +13,7 @@ use burn::train::SupervisedTraining;
 use burn_ddp::ProcessGroup;
 use burn_ddp::train::{
     CheckpointConfig, DdpLearner, DdpTraining, DistributedDataset, DistributedSampler,
-    ProgressOutput, QuietRenderer, Sharding, flat_parameters,
+    ProgressOutput, QuietRenderer, Sharding, parameters_to_vector,
 };
 
 use super::model::{DATA, EXIT_CODE, Net, Points, ToBatch, flex, new_net};
@@ -145,5 +145,5 @@ pub(crate) fn train_rank(
         Some(e) => Err(format!("training error: {e}")),
         None => Ok(r),
     });
-    result.map(|r| flat_parameters(&r.model))
+    result.map(|r| parameters_to_vector(&r.model))
 }

@@ -15,7 +15,7 @@ use burn::tensor::Tensor;
 use burn::train::{InferenceStep, SupervisedTraining};
 use burn_ddp::ProcessGroup;
 use burn_ddp::train::{
-    DdpLearner, DdpTraining, ProgressOutput, QuietRenderer, Sharding, flat_parameters,
+    DdpLearner, DdpTraining, ProgressOutput, QuietRenderer, Sharding, parameters_to_vector,
 };
 
 use super::model::{Points, ToBatch, flex, new_net};
@@ -74,7 +74,7 @@ fn train(accumulation: Option<usize>, sharding: Sharding) -> Vec<Vec<f32>> {
         let result = training.launch_ddp(learner).expect("training");
         assert!(result.error.is_none(), "{:?}", result.error);
         let _ = std::fs::remove_dir_all(&dir);
-        flat_parameters(&result.model)
+        parameters_to_vector(&result.model)
     })
 }
 
@@ -112,7 +112,7 @@ fn predicted(accumulation: Option<usize>) -> Vec<f32> {
         let grads = GradientsParams::from_grads(loss.unwrap().backward(), &model);
         model = optim.step(LR, model, grads);
     }
-    flat_parameters(&model)
+    parameters_to_vector(&model)
 }
 
 #[test]
@@ -132,7 +132,7 @@ fn uneven_inputs_train_together_as_the_rule_predicts() {
             err <= 1e-5,
             "accumulation {accumulation:?}, {sharding}: {err:e}"
         );
-        let start = flat_parameters(&new_net(&flex(), Some(7), false));
+        let start = parameters_to_vector(&new_net(&flex(), Some(7), false));
         assert!(
             relative_error(&ranks[0], &start) > 1e-3,
             "training changed nothing"

@@ -13,7 +13,7 @@ use burn::nn::loss::CrossEntropyLossConfig;
 use burn::nn::{BatchNorm, BatchNormConfig, Linear, LinearConfig, Relu};
 use burn::tensor::{Device, Int, Tensor, TensorData};
 use burn::train::{ClassificationOutput, InferenceStep, TrainOutput, TrainStep};
-use burn_ddp::train::flat_parameters;
+use burn_ddp::train::parameters_to_vector;
 
 use crate::common::{digest, value};
 
@@ -186,7 +186,7 @@ impl TrainStep for Net {
         note_rows(&b, |seen| &mut seen.train);
         STEP_DIGESTS.with_borrow_mut(|d| {
             if let Some(d) = d {
-                d.push(digest(bytemuck::cast_slice(&flat_parameters(self))));
+                d.push(digest(bytemuck::cast_slice(&parameters_to_vector(self))));
             }
         });
         let item = self.forward(b);
@@ -271,6 +271,6 @@ pub(crate) fn new_net(device: &Device, seed: Option<u64>, extra: bool) -> Net {
         device.seed(seed);
     }
     let net = Net::new(device, extra);
-    flat_parameters(&net);
+    parameters_to_vector(&net);
     net
 }

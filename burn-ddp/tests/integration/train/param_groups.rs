@@ -15,7 +15,7 @@ use burn::train::SupervisedTraining;
 use burn_ddp::ProcessGroup;
 use burn_ddp::train::{
     DdpLearner, DdpTraining, DistributedSampler, ProgressOutput, QuietRenderer, Sharding,
-    flat_parameters,
+    parameters_to_vector,
 };
 
 use super::model::{DATA, Net, Points, ToBatch, flex, new_net};
@@ -111,7 +111,7 @@ fn train(world: usize, batch: usize, sharding: Sharding) -> Vec<Vec<f32>> {
         let _ = std::fs::remove_dir_all(&dir);
         let result = result.unwrap_or_else(|e| panic!("rank {rank}: {e}"));
         assert!(result.error.is_none(), "rank {rank}: {:?}", result.error);
-        flat_parameters(&result.model)
+        parameters_to_vector(&result.model)
     })
 }
 
@@ -119,7 +119,7 @@ fn train(world: usize, batch: usize, sharding: Sharding) -> Vec<Vec<f32>> {
 /// one process with the global batch and the same groups.
 #[test]
 fn groups_built_by_param_id_on_each_rank_train_as_one_process() {
-    let start = flat_parameters(&new_net(&flex(), Some(7), false));
+    let start = parameters_to_vector(&new_net(&flex(), Some(7), false));
     for world in [2, 3] {
         let reference = train(1, 4 * world, Sharding::None);
         assert!(

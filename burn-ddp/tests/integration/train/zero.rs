@@ -8,24 +8,20 @@
 //! world size, sharded or not (`zero_edges`: resumes with several buckets, a rank that owns
 //! nothing, buffers and frozen parameters).
 
-use std::sync::{Arc, Mutex};
-
-use burn::data::dataloader::DataLoaderBuilder;
 use burn::optim::grad_clipping::GradientClippingConfig;
 use burn::optim::lr_scheduler::linear::LinearLrSchedulerConfig;
 use burn::optim::momentum::MomentumConfig;
 use burn::optim::{AdamConfig, AdamWConfig, ModuleOptimizer, SgdConfig};
-use burn::train::SupervisedTraining;
-use burn_ddp::ProcessGroup;
+use burn_ddp::testing::bucket_layout;
 use burn_ddp::train::{
-    CHECKPOINT_FILE, CheckpointConfig, Compression, DdpLearner, DdpTraining, DistributedSampler,
-    GradientReducer, ProgressOutput, QuietRenderer, Sharding, flat_parameters, inspect_checkpoint,
+    CHECKPOINT_FILE, CheckpointConfig, Compression, DdpLearner, GradientReducer, Sharding,
+    inspect_checkpoint, parameters_to_vector,
 };
 
 use super::job::{Job, run_job};
-use super::model::{DATA, Points, ToBatch, flex, new_net};
+use super::model::{DATA, Net, ToBatch, flex, new_net};
+use super::threads::{Threads, train_on_threads};
 use super::{assert_identical, relative_error, small_buckets};
-use crate::common::{options, run_world};
 
 #[derive(Debug, Clone, Copy)]
 enum Optim {
@@ -82,37 +78,21 @@ fn train(run: Run) -> Vec<Trained> {
     let device = flex();
     let models: Vec<_> = (0..run.world)
         .map(|r| {
-            Some(new_net(
-                &device,
-                Some(if r == 0 { 7 } else { 100 + r as u64 }),
-                run.extra,
-            ))
+            let seed = if r == 0 { 7 } else { 100 + r as u64 };
+            new_net(&device, Some(seed), run.extra)
         })
         .collect();
-    let models = Mutex::new(models);
-    run_world(run.world, options(60), |group: ProcessGroup| {
-        let rank = group.rank();
-        let model = models.lock().unwrap()[rank].take().unwrap();
-        let group = Arc::new(group);
-        let sampler = DistributedSampler::for_group(&group).seed(5);
-        let valid_sampler = DistributedSampler::for_group(&group).shuffle(false);
-        let loader = |data: Points, s: &DistributedSampler| {
-            DataLoaderBuilder::new(ToBatch)
-                .batch_size(run.batch)
-                .build(s.dataset(data))
-        };
-        let dir = super::thread_dir("zero");
-        let mut training = SupervisedTraining::new(
-            &dir,
-            loader(Points(DATA), &sampler),
-            loader(Points(DATA / 2), &valid_sampler),
-        )
-        .renderer(Box::new(QuietRenderer))
-        .with_application_logger(None)
-        .num_epochs(3);
-        if let Some(k) = run.accumulation {
-            training = training.grads_accumulation(k);
-        }
+    let threads = Threads {
+        world: run.world,
+        batch: run.batch,
+        epochs: 3,
+        seed: 5,
+        accumulation: run.accumulation,
+        loss_metric: false,
+        scratch: "zero",
+        batcher: ToBatch,
+    };
+    train_on_threads(&threads, models, |group, model| {
         let lr = LinearLrSchedulerConfig::new(0.05, 0.005, 12)
             .init()
             .expect("schedule");
@@ -121,25 +101,21 @@ fn train(run: Run) -> Vec<Trained> {
             .sharding(run.sharding)
             .compression(run.compression);
         let learner = DdpLearner::with_group(group.clone(), model, optimizer(run.optim), lr)
-            .sampler(&sampler)
-            .valid_sampler(&valid_sampler)
             .buckets(small_buckets())
             .shard_optimizer(run.sharding)
-            .compression(run.compression)
-            .progress(ProgressOutput::Keep);
+            .compression(run.compression);
         let figures = learner.telemetry().clone();
         figures.count_optimizer_state();
-        let result = training.launch_ddp(learner).expect("training");
-        assert!(result.error.is_none(), "{:?}", result.error);
-        let _ = std::fs::remove_dir_all(&dir);
-        Trained {
-            params: flat_parameters(&result.model),
+        let group = group.clone();
+        let read = move |model: Net| Trained {
+            params: parameters_to_vector(&model),
             state: figures.optimizer_state_bytes().expect("counted"),
             all_reduces: group.all_reduce_count(),
             steps: figures.steps().len(),
-            buckets: plan.plan().buckets.len(),
+            buckets: bucket_layout(&plan).len(),
             sent: plan.sent_per_step(),
-        }
+        };
+        (learner, read)
     })
 }
 
@@ -159,7 +135,7 @@ fn check(base: Run) {
         sharding: Sharding::None,
         ..base
     });
-    let start = flat_parameters(&new_net(&flex(), Some(7), base.extra));
+    let start = parameters_to_vector(&new_net(&flex(), Some(7), base.extra));
     assert!(
         relative_error(&plain[0].params, &start) > 1e-3,
         "training changed nothing"
@@ -190,18 +166,23 @@ fn check(base: Run) {
             base.extra || to_one <= 1e-6,
             "{base:?} {sharding}: {to_one:e} from one process"
         );
-        // The optimizer state is cut among the ranks: each holds a part, together all of it.
         let states: Vec<usize> = sharded.iter().map(|t| t.state).collect();
-        assert_eq!(
-            states.iter().sum::<usize>(),
-            whole,
-            "{sharding}: {states:?} of {whole}"
-        );
-        assert!(
-            states.iter().all(|&s| s < whole),
-            "{sharding}: {states:?} of {whole}"
-        );
+        assert_partition(&states, whole, &format!("{sharding}"));
     }
+}
+
+/// The optimizer state is cut among the ranks: their `states` add up to `whole`, each holding
+/// a part of it; `what` in the messages.
+pub(super) fn assert_partition(states: &[usize], whole: usize, what: &str) {
+    assert_eq!(
+        states.iter().sum::<usize>(),
+        whole,
+        "{what}: {states:?} of {whole}"
+    );
+    assert!(
+        states.iter().all(|&s| s < whole),
+        "{what}: {states:?} of {whole}"
+    );
 }
 
 /// Whether a sharded run must be bit-identical to plain DDP here: at world 2, both stages (a sum
@@ -214,7 +195,7 @@ fn bit_identical(sharding: Sharding, world: usize) -> bool {
 }
 
 /// Whether `a` and `b` hold the same bits.
-fn same_bits(a: &[f32], b: &[f32]) -> bool {
+pub(super) fn same_bits(a: &[f32], b: &[f32]) -> bool {
     a.len() == b.len() && a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits())
 }
 
@@ -298,7 +279,7 @@ fn sharded_training_with_bf16_gradients() {
 /// the parameters more.
 #[test]
 fn zero_2_reduce_scatters_where_zero_1_all_reduces_as_plain_ddp() {
-    let values = flat_parameters(&new_net(&flex(), Some(7), false)).len();
+    let values = parameters_to_vector(&new_net(&flex(), Some(7), false)).len();
     for world in [2, 3] {
         let run = base(Optim::Adam, world);
         let plain = train(run);

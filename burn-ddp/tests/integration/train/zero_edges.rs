@@ -5,33 +5,28 @@
 //! resuming a checkpoint, at the same world size and another, with several buckets; and ZeRO-1
 //! bit-identical to plain DDP where ownership reorders a bucket.
 
-use std::sync::{Arc, Mutex};
-
-use burn::data::dataloader::DataLoaderBuilder;
 use burn::data::dataloader::batcher::Batcher;
 use burn::module::Module;
 use burn::nn::loss::CrossEntropyLossConfig;
 use burn::nn::{BatchNorm, BatchNormConfig, Linear, LinearConfig, Relu};
 use burn::optim::AdamConfig;
 use burn::tensor::{Device, Int, Tensor, TensorData};
-use burn::train::{
-    ClassificationOutput, InferenceStep, SupervisedTraining, TrainOutput, TrainStep,
-};
-use burn_ddp::ProcessGroup;
+use burn::train::{ClassificationOutput, InferenceStep, TrainOutput, TrainStep};
+use burn_ddp::testing::bucket_layout;
 use burn_ddp::train::{
-    BufferSync, CheckpointConfig, Compression, DdpLearner, DdpTraining, DistributedSampler,
-    GradientReducer, ProgressOutput, QuietRenderer, Sharding, flat_parameters,
+    BufferSync, CheckpointConfig, Compression, DdpLearner, GradientReducer, Sharding,
+    parameters_to_vector,
 };
 
-use super::model::{DATA, Points, flex};
+use super::model::flex;
+use super::threads::{Threads, train_on_threads};
 use super::{assert_identical, relative_error, small_buckets};
-use crate::common::{options, run_world};
 
 const FEATURES: usize = 6;
 const CLASSES: usize = 3;
 const HIDDEN: usize = 8;
 
-/// A batch of [`Points`].
+/// A batch of [`Points`](super::model::Points).
 #[derive(Clone, Debug)]
 struct Rows {
     x: Tensor<2>,
@@ -53,8 +48,8 @@ impl Batcher<(Vec<f32>, usize), Rows> for ToRows {
     }
 }
 
-/// A classifier of [`Points`]: a frozen layer, a hidden layer (no bias) with BatchNorm, the
-/// output layer; each but the output optional.
+/// A classifier of [`Points`](super::model::Points): a frozen layer, a hidden layer (no bias)
+/// with BatchNorm, the output layer; each but the output optional.
 #[derive(Module, Debug)]
 struct Small {
     /// Never trained (`no_grad`): a buffer to the learner.
@@ -180,65 +175,48 @@ struct Outcome {
 /// broadcast replaces) as `run` says.
 fn train(start: &Small, run: &Run) -> Vec<Outcome> {
     let device = flex();
-    let models: Vec<Option<Small>> = (0..run.world)
+    let models: Vec<Small> = (0..run.world)
         .map(|r| match r {
-            0 => Some(start.copy()),
-            _ => Some(Small::new(&device, start.norm.is_some())),
+            0 => start.copy(),
+            _ => Small::new(&device, start.norm.is_some()),
         })
         .collect();
-    let models = Mutex::new(models);
-    run_world(run.world, options(60), |group: ProcessGroup| {
-        let rank = group.rank();
-        let model = models.lock().unwrap()[rank].take().unwrap();
-        let group = Arc::new(group);
-        let sampler = DistributedSampler::for_group(&group).seed(11);
-        let valid = DistributedSampler::for_group(&group).shuffle(false);
-        let loader = |data: Points, s: &DistributedSampler| {
-            DataLoaderBuilder::new(ToRows)
-                .batch_size(4)
-                .build(s.dataset(data))
-        };
-        let dir = super::thread_dir("zero-edges");
-        let training = SupervisedTraining::new(
-            &dir,
-            loader(Points(DATA), &sampler),
-            loader(Points(DATA / 2), &valid),
-        )
-        .renderer(Box::new(QuietRenderer))
-        .with_application_logger(None)
-        .num_epochs(run.epochs);
+    let threads = Threads {
+        world: run.world,
+        batch: 4,
+        epochs: run.epochs,
+        seed: 11,
+        accumulation: None,
+        loss_metric: false,
+        scratch: "zero-edges",
+        batcher: ToRows,
+    };
+    train_on_threads(&threads, models, |group, model| {
         let plan = GradientReducer::new(&model, group.clone(), small_buckets())
             .expect("a bucket plan")
             .sharding(run.sharding);
-        let mut learner = DdpLearner::with_group(group, model, AdamConfig::new().init(), 0.05)
-            .sampler(&sampler)
-            .valid_sampler(&valid)
-            .buckets(small_buckets())
-            .buffer_sync(run.buffers)
-            .shard_optimizer(run.sharding)
-            .compression(run.compression)
-            .progress(ProgressOutput::Keep);
+        let mut learner =
+            DdpLearner::with_group(group.clone(), model, AdamConfig::new().init(), 0.05)
+                .buckets(small_buckets())
+                .buffer_sync(run.buffers)
+                .shard_optimizer(run.sharding)
+                .compression(run.compression);
         if let Some(c) = &run.checkpoints {
             learner = learner.checkpoints(c.clone());
         }
         let figures = learner.telemetry().clone();
         figures.count_optimizer_state();
-        let result = training.launch_ddp(learner).expect("training");
-        assert!(result.error.is_none(), "{:?}", result.error);
-        let _ = std::fs::remove_dir_all(&dir);
-        Outcome {
-            params: flat_parameters(&result.model),
-            frozen: result
-                .model
+        let read = move |model: Small| Outcome {
+            params: parameters_to_vector(&model),
+            frozen: model
                 .frozen
                 .as_ref()
-                .map_or(Vec::new(), flat_parameters),
-            running: result.model.running(),
+                .map_or(Vec::new(), parameters_to_vector),
+            running: model.running(),
             state: figures.optimizer_state_bytes().expect("counted"),
-            layout: (plan.plan().buckets.iter())
-                .map(|b| b.params.clone())
-                .collect(),
-        }
+            layout: bucket_layout(&plan),
+        };
+        (learner, read)
     })
 }
 
@@ -255,25 +233,17 @@ fn assert_like_plain(got: &[Outcome], plain: &[Outcome], bitwise: bool, what: &s
     let err = relative_error(&got[0].params, &plain[0].params);
     eprintln!("{what}: {err:e} from plain DDP");
     if bitwise {
-        let same =
-            (got[0].params.iter().zip(&plain[0].params)).all(|(a, b)| a.to_bits() == b.to_bits());
+        let same = super::zero::same_bits(&got[0].params, &plain[0].params);
         assert!(same, "{what}: not bit-identical to plain DDP ({err:e})");
     }
     assert!(err <= 1e-6, "{what}: {err:e} from plain DDP");
 }
 
-/// The states of `got` add up to `whole`, each a part of it; `what` in the messages.
+/// The states of `got` add up to `whole`, each a part of it; `what` in the messages
+/// ([`super::zero::assert_partition`]).
 fn assert_partition(got: &[Outcome], whole: usize, what: &str) {
     let states: Vec<usize> = got.iter().map(|o| o.state).collect();
-    assert_eq!(
-        states.iter().sum::<usize>(),
-        whole,
-        "{what}: {states:?} of {whole}"
-    );
-    assert!(
-        states.iter().all(|&s| s < whole),
-        "{what}: {states:?} of {whole}"
-    );
+    super::zero::assert_partition(&states, whole, what);
 }
 
 /// Two trainable tensors at world 3, in a bucket each: one rank owns nothing at all (and two
@@ -284,7 +254,7 @@ fn a_rank_that_owns_nothing_trains_with_the_others() {
     let start = start(false);
     let plain = train(&start, &Run::new(3, Sharding::None));
     assert!(
-        relative_error(&plain[0].params, &flat_parameters(&start)) > 1e-3,
+        relative_error(&plain[0].params, &parameters_to_vector(&start)) > 1e-3,
         "training changed nothing"
     );
     let whole = plain[0].state;
@@ -306,7 +276,7 @@ fn a_rank_that_owns_nothing_trains_with_the_others() {
 #[test]
 fn batch_norm_buffers_and_frozen_parameters_with_sharding() {
     let start = start(true);
-    let initial_frozen = flat_parameters(start.frozen.as_ref().unwrap());
+    let initial_frozen = parameters_to_vector(start.frozen.as_ref().unwrap());
     let initial_running = start.running();
     for (world, buffers) in [
         (2, BufferSync::Broadcast),

@@ -10,7 +10,7 @@ use burn::train::SupervisedTraining;
 use burn_ddp::ProcessGroup;
 use burn_ddp::train::{
     DdpLearner, DdpTraining, DistributedSampler, JobStats, ProgressOutput, QuietRenderer, Sharding,
-    flat_parameters,
+    parameters_to_vector,
 };
 
 use super::model::{DATA, Points, ToBatch, flex, new_net};
@@ -64,7 +64,7 @@ fn spans(dir: &std::path::Path, rank: usize, prefix: &str) -> usize {
 #[test]
 fn a_sharded_step_reports_its_parameter_all_gather_in_figures_and_traces() {
     // Every trainable value of the network (it has no buffer), in f32.
-    let values = flat_parameters(&new_net(&flex(), Some(3), false)).len();
+    let values = parameters_to_vector(&new_net(&flex(), Some(3), false)).len();
     let runs = [
         (2, Sharding::Optimizer),
         (3, Sharding::OptimizerAndGradients),

@@ -8,9 +8,7 @@
 //! ```
 
 use std::path::PathBuf;
-use std::sync::Arc;
 
-use anyhow::Context;
 use clap::Parser;
 use clap::builder::RangedU64ValueParser;
 use quickstart::ShardFlag;
@@ -126,21 +124,15 @@ fn run() -> anyhow::Result<()> {
             cfg.d_model
         );
     }
-    let group = Arc::new(burn_ddp::init_process_group().context("forming the process group")?);
-    let report = train(group.clone(), &cfg)?;
-    println!("parameters digest {:016x}", report.digest());
-    report.publish_rank(cfg.report.as_deref(), group.rank())?;
-    if group.rank() == 0 {
-        let shown = quickstart::Config {
-            epochs: cfg.epochs,
-            batch_size: cfg.batch_size,
-            report: cfg.report.clone(),
-            params_out: cfg.params_out.clone(),
-            ..quickstart::Config::default()
-        };
-        report.publish(&shown, group.world_size())?;
-    }
-    Ok(())
+    // What rank 0's summary and reports show of the run.
+    let shown = quickstart::Config {
+        epochs: cfg.epochs,
+        batch_size: cfg.batch_size,
+        report: cfg.report.clone(),
+        params_out: cfg.params_out.clone(),
+        ..quickstart::Config::default()
+    };
+    quickstart::train_in_group(&shown, |group| train(group, &cfg))
 }
 
 fn main() -> std::process::ExitCode {

@@ -16,7 +16,8 @@
 //! - `zero`: the sharded optimizer (ZeRO-1 and 2) against plain DDP and one process;
 //! - `zero_edges`: ZeRO with a rank that owns nothing, buffers, frozen parameters, resumes;
 //! - `zero_telemetry`: a sharded step's parameter all-gather in the figures and traces;
-//! - `param_groups`: optimizer and learning-rate groups built by `ParamId` on each rank.
+//! - `param_groups`: optimizer and learning-rate groups built by `ParamId` on each rank;
+//! - `threads`: ranks as threads of this process, training one job each (shared by the above).
 
 mod buffers;
 mod checkpoints;
@@ -32,6 +33,7 @@ mod non_finite;
 mod param_groups;
 mod sharding;
 mod telemetry;
+mod threads;
 mod zero;
 mod zero_edges;
 mod zero_telemetry;
