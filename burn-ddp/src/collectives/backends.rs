@@ -14,7 +14,6 @@
 //! one call serves every kind of buffer, as `torch.distributed` does. Nothing below this layer
 //! knows the group, and no backend calls back into this table.
 
-use std::sync::Arc;
 #[cfg(feature = "train")]
 use std::sync::Mutex;
 
@@ -27,17 +26,16 @@ use super::backend::emulated;
 use super::backend::nccl;
 #[cfg(feature = "train")]
 use super::backend::{DeviceBackend, Kind, Request, one, staged};
-use super::transport::host::HostTransport;
+#[cfg(feature = "train")]
+use super::worker::Limits;
+use super::worker::Queue;
 #[cfg(feature = "train")]
 use super::worker::Worker;
-use super::worker::{Limits, Queue};
 use super::{Element, Reduce, ReduceOp, Work};
 #[cfg(feature = "train")]
 use crate::error::DdpError;
 use crate::error::Result;
 use crate::failure::FailureRecord;
-use crate::status::StatusCell;
-use crate::store::Store;
 #[cfg(feature = "train")]
 use crate::wire::{Reader, Writer};
 
@@ -190,22 +188,14 @@ pub struct Backends {
 }
 
 impl Backends {
-    /// Starts the collective thread of `rank` of `world` over `transport`; the thread reports
-    /// each operation in `status` and agrees on failures through `store`.
-    pub(crate) fn start(
-        rank: usize,
-        world: usize,
-        transport: HostTransport,
-        store: Arc<Store>,
-        status: Arc<StatusCell>,
-        limits: Limits,
-    ) -> Result<Self> {
-        let queue = Queue::start(rank, world, transport, store, status, limits)?;
-        Ok(Backends {
+    /// The backends of a group whose collective thread is `queue`; device backends are chosen
+    /// as tensors of each kind arrive.
+    pub(crate) fn new(queue: Queue) -> Self {
+        Backends {
             #[cfg(feature = "train")]
             devices: DeviceBackends::new(queue.limits()),
             queue,
-        })
+        }
     }
 
     /// The host transport's backend: the collective thread's queue.

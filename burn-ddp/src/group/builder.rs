@@ -12,7 +12,7 @@ use crate::collectives::backends::Backends;
 use crate::collectives::transport::host::{HostConfig, HostTransport};
 use crate::collectives::transport::shm::setup::{ShmRequest, negotiate};
 use crate::collectives::transport::tcp::mesh;
-use crate::collectives::worker::Limits;
+use crate::collectives::worker::{Limits, Queue};
 use crate::env::DEFAULT_MASTER_PORT;
 use crate::env::Transport;
 use crate::error::{DdpError, Result};
@@ -231,7 +231,7 @@ impl ProcessGroupBuilder {
             #[cfg(all(feature = "train", feature = "test-support"))]
             nccl_plans_on_host: self.nccl_plans_on_host,
         };
-        let backends = Backends::start(
+        let queue = Queue::start(
             rank,
             world_size,
             transport,
@@ -239,6 +239,7 @@ impl ProcessGroupBuilder {
             status.cell(),
             limits,
         )?;
+        let backends = Backends::new(queue);
         log::info!("rank {rank}: joined a group of {world_size} through the store at {store_addr}");
         Ok(ProcessGroup {
             rank,
