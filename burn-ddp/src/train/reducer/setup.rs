@@ -97,6 +97,7 @@ impl GradientReducer {
     }
 
     /// The bucket plan.
+    #[cfg(feature = "test-support")]
     pub(crate) fn plan(&self) -> &BucketPlan {
         &self.plan
     }
