@@ -124,6 +124,7 @@ impl Request {
     }
 
     /// The collective's name in errors.
+    #[cfg(any(feature = "nccl", feature = "test-support"))]
     fn name(&self) -> &'static str {
         match self {
             Request::AllReduce(_) => "all_reduce",

@@ -271,7 +271,8 @@ pub(crate) fn flat_values<M: Module>(module: &M, select: Select) -> Vec<f32> {
 }
 
 /// Returns `module` with every float tensor (parameters and buffers) replaced by rank 0's
-/// values, so replicas start identical whatever their seeds. Call [`check_agreement`] first.
+/// values, so replicas start identical whatever their seeds. Every rank must build the same
+/// model (`DdpLearner` checks that the ranks' layouts agree before it broadcasts).
 ///
 /// Each rank keeps its own `ParamId`s (burn draws them at random per process), so optimizer
 /// and learning-rate groups a rank built from its model's ids (`ParamGroup::from_ids`) keep
