@@ -123,6 +123,17 @@ pub enum DdpError {
         /// What is wrong.
         reason: String,
     },
+    /// A block wrapped for fully sharded training ([`crate::fsdp`]) cannot be wrapped or run.
+    #[cfg(feature = "train")]
+    #[error("rank {rank}: fsdp {block}: {reason}")]
+    Fsdp {
+        /// Rank reporting.
+        rank: usize,
+        /// The block's name (`block <n>` unless named).
+        block: String,
+        /// What is wrong.
+        reason: String,
+    },
     /// The background thread that runs collectives is gone (it panicked).
     #[error("rank {rank}: the collective worker thread stopped unexpectedly")]
     WorkerGone {

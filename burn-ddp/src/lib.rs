@@ -64,6 +64,8 @@ pub mod elastic;
 pub mod env;
 mod error;
 mod failure;
+#[cfg(feature = "train")]
+pub mod fsdp;
 mod group;
 pub mod launch;
 mod limits;

@@ -8,6 +8,7 @@ mod common;
 mod env;
 mod faults;
 mod flood;
+mod fsdp;
 mod mpi;
 mod nccl_plans;
 mod netif;

@@ -1,0 +1,185 @@
+//! The gather of a wrapped block's parameters as a custom autodiff operation: forward gives the
+//! whole flat parameters (gathered from every rank's shard); backward starts the reduction of
+//! their gradient into the shard ([`super::step::backward`]).
+//!
+//! Its parents are the shard and the block's input (the anchor), through which no gradient
+//! flows: burn orders backward by depth, and the anchor puts the operation at the block's
+//! depth, so its backward runs right after the block's own. With
+//! [`ShardingStrategy::FullShard`] the operation is memory-bound with a retro-forward (a gather
+//! again): on a device with gradient checkpointing, burn drops the gathered parameters after
+//! the forward pass and gathers them again when backward first needs them.
+
+use std::marker::PhantomData;
+use std::sync::Arc;
+
+#[cfg(any(feature = "wgpu", feature = "nccl"))]
+use burn::backend::Cube;
+use burn::backend::autodiff::Autodiff;
+use burn::backend::autodiff::NodeId;
+use burn::backend::autodiff::checkpoint::base::Checkpointer;
+use burn::backend::autodiff::checkpoint::retro_forward::RetroForward;
+use burn::backend::autodiff::checkpoint::state::BackwardStates;
+use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
+use burn::backend::autodiff::grads::Gradients;
+use burn::backend::autodiff::ops::{Backward, Ops, OpsKind};
+use burn::backend::tensor::FloatTensor;
+use burn::backend::{Backend, DispatchKindConversion, DispatchTensor, Flex, backend_extension};
+use burn::tensor::Tensor;
+
+use super::{ShardingStrategy, Shared, step};
+use crate::Work;
+
+/// Starts gathering the flat parameters from every rank's `shard` (no autodiff): the whole
+/// flat vector, padding included. With [`ShardingStrategy::NoShard`], or alone, the shard is
+/// the whole.
+pub(super) fn start(shared: &Shared, shard: Tensor<1>) -> Work<Tensor<1>> {
+    let group = &shared.group;
+    let world = group.world_size();
+    if !shared.strategy.shards() || world == 1 {
+        return Work::done(group.rank(), Ok(shard));
+    }
+    step::count_gather(shared.gathered_len());
+    group.all_gather_parts(shard, &vec![shared.shard_len; world])
+}
+
+/// The gathered `full` (no autodiff) as the output of the gather operation on `shard` and
+/// `anchor`: an autodiff tensor whose backward reduces the gradient into the shard, when
+/// `shard` is one.
+pub(super) fn attach(
+    shared: &Arc<Shared>,
+    shard: Tensor<1>,
+    anchor: Option<DispatchTensor>,
+    full: Tensor<1>,
+) -> Tensor<1> {
+    let device = shard.device();
+    if !device.is_autodiff() {
+        return full;
+    }
+    let full = super::flat::on_device(full, &device);
+    let anchor = anchor.unwrap_or_else(|| Tensor::<1>::zeros([1], &device).into_dispatch());
+    Tensor::from_dispatch(<burn::backend::Dispatch as FsdpBackend>::fsdp_gather(
+        shard.into_dispatch(),
+        anchor,
+        full.into_dispatch(),
+        Call {
+            shared: shared.clone(),
+        },
+    ))
+}
+
+/// What the operation carries besides tensors: the block.
+#[derive(Clone, Debug)]
+pub(super) struct Call {
+    shared: Arc<Shared>,
+}
+
+/// The gather of a wrapped block's parameters, differentiated across the process group.
+#[backend_extension(Autodiff, Flex, Cube: cfg(any(feature = "wgpu", feature = "nccl")))]
+pub(super) trait FsdpBackend: Backend {
+    /// `full`, the gathered parameters, as the result of gathering `shard`; `anchor` is the
+    /// block's input (a parent only, for the order of backward).
+    fn fsdp_gather(
+        shard: FloatTensor<Self>,
+        anchor: FloatTensor<Self>,
+        full: FloatTensor<Self>,
+        call: Call,
+    ) -> FloatTensor<Self> {
+        let _ = (shard, anchor, call);
+        full
+    }
+}
+
+impl FsdpBackend for Flex {}
+#[cfg(any(feature = "wgpu", feature = "nccl"))]
+impl FsdpBackend for Cube {}
+
+impl<B: Backend, C: CheckpointStrategy> FsdpBackend for Autodiff<B, C>
+where
+    DispatchTensor: DispatchKindConversion<B>,
+{
+    fn fsdp_gather(
+        shard: FloatTensor<Self>,
+        anchor: FloatTensor<Self>,
+        full: FloatTensor<Self>,
+        call: Call,
+    ) -> FloatTensor<Self> {
+        let full = full.into_primitive();
+        let prep = GatherBackward.prepare::<C>([shard.node(), anchor.node()]);
+        let prep = match call.shared.strategy {
+            ShardingStrategy::FullShard => prep
+                .memory_bound()
+                .retro_forward(RetroGather::<B> {
+                    shard: shard.id(),
+                    call: call.clone(),
+                    _backend: PhantomData,
+                })
+                .parents([&shard, &anchor]),
+            _ => prep.compute_bound(),
+        };
+        match prep.stateful() {
+            OpsKind::Tracked(prep) => {
+                step::forward(&call.shared).unwrap_or_else(|e| panic!("{e}"));
+                prep.finish(call, full)
+            }
+            OpsKind::UnTracked(prep) => prep.finish(full),
+        }
+    }
+}
+
+/// The gather again, in backward (burn's gradient checkpointing drops the gathered
+/// parameters after the forward pass when the strategy is `FullShard`).
+#[derive(Debug)]
+struct RetroGather<B> {
+    shard: NodeId,
+    call: Call,
+    _backend: PhantomData<fn() -> B>,
+}
+
+impl<B: Backend> RetroForward for RetroGather<B>
+where
+    DispatchTensor: DispatchKindConversion<B>,
+{
+    fn forward(&self, states: &mut BackwardStates, out_node: NodeId) {
+        let shard = states.get_state::<FloatTensor<B>>(&self.shard);
+        let shard = Tensor::<1>::from_primitive::<B>(shard);
+        let work = start(&self.call.shared, shard);
+        let full = step::wait_exposed(work).unwrap_or_else(|e| panic!("{e}"));
+        states.save(out_node, primitive::<B>(&self.call.shared, full));
+    }
+}
+
+/// The backward step of [`FsdpBackend::fsdp_gather`].
+#[derive(Debug)]
+struct GatherBackward;
+
+impl<B: Backend> Backward<B, 2> for GatherBackward
+where
+    DispatchTensor: DispatchKindConversion<B>,
+{
+    type State = Call;
+
+    fn backward(self, ops: Ops<Self::State, 2>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let [shard, _anchor] = ops.parents;
+        let grad = grads.consume::<B>(&ops.node);
+        let grad = Tensor::<1>::from_primitive::<B>(grad);
+        let shared = ops.state.shared;
+        let ready =
+            step::backward(&shared, shard.map(|n| n.id), grad).unwrap_or_else(|e| panic!("{e}"));
+        for (node, shard_grad, block) in ready {
+            grads.register::<B>(node, primitive::<B>(&block, shard_grad));
+        }
+    }
+}
+
+/// `t`'s primitive on the backend `B` of the operation.
+fn primitive<B: Backend>(shared: &Shared, t: Tensor<1>) -> FloatTensor<B>
+where
+    DispatchTensor: DispatchKindConversion<B>,
+{
+    t.try_into_primitive::<B>().unwrap_or_else(|e| {
+        panic!(
+            "{}",
+            shared.error(format!("a reduced tensor changed backend: {e:?}"))
+        )
+    })
+}

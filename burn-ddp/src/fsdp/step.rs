@@ -1,0 +1,214 @@
+//! One training step of the wrapped blocks on this thread: which blocks the forward pass
+//! gathered (a block gathered twice is an error), the reductions their backward started, and
+//! the point where they are all waited for (the last wrapped block's backward). Also the
+//! counters of [`stats`].
+
+use std::cell::RefCell;
+use std::collections::{HashMap, VecDeque};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use burn::backend::autodiff::NodeId;
+use burn::tensor::Tensor;
+
+use super::Shared;
+use crate::error::Result;
+use crate::{ProcessGroup, ReduceOp, Work};
+
+/// Reductions in flight at once: more waits for the oldest first, so at most this many blocks'
+/// whole gradients wait for the wire.
+const IN_FLIGHT: usize = 2;
+
+/// A block's reduction, started in backward.
+struct Pending {
+    block: Arc<Shared>,
+    /// The shard's autodiff node, which receives the result.
+    node: NodeId,
+    work: Work<Tensor<1>>,
+}
+
+/// This thread's step.
+#[derive(Default)]
+struct Step {
+    /// The blocks gathered by tracked forward passes since the last flush (by address).
+    gathered: Vec<usize>,
+    /// Backward steps of those run so far.
+    backward_done: usize,
+    in_flight: VecDeque<Pending>,
+    /// Finished reductions, waiting to be handed over at the flush.
+    ready: Vec<(NodeId, Tensor<1>, Arc<Shared>)>,
+}
+
+thread_local! {
+    static STEP: RefCell<Step> = RefCell::default();
+}
+
+/// A tracked forward pass gathered `block`.
+pub(super) fn forward(block: &Arc<Shared>) -> Result<()> {
+    let key = Arc::as_ptr(block) as usize;
+    STEP.with(|s| {
+        let mut s = s.borrow_mut();
+        if s.gathered.contains(&key) {
+            return Err(block.error(
+                "the block ran a second time before backward went through it: call each \
+                 wrapped block once per forward pass (wrap a block used twice once per use, or \
+                 leave it unwrapped), and back-propagate every forward pass on an autodiff \
+                 device (a block whose output does not reach the loss never hands over its \
+                 gradient)",
+            ));
+        }
+        if s.backward_done > 0 {
+            return Err(block.error(format!(
+                "a forward pass started while backward had gone through only {} of the {} \
+                 wrapped blocks of the last one: some block's output did not reach the loss",
+                s.backward_done,
+                s.gathered.len()
+            )));
+        }
+        s.gathered.push(key);
+        Ok(())
+    })
+}
+
+/// The backward step of `block`'s gather, with its whole gradient `grad`: starts its reduction
+/// into the shard (node `shard`, `None` when the block is frozen) and, at the last wrapped
+/// block of the step, waits for them all. Returns the shards' gradients to register.
+pub(super) fn backward(
+    block: &Arc<Shared>,
+    shard: Option<NodeId>,
+    grad: Tensor<1>,
+) -> Result<Vec<(NodeId, Tensor<1>, Arc<Shared>)>> {
+    if let Some(node) = shard {
+        let work = start_reduce(block, grad.inner());
+        let oldest = STEP.with(|s| {
+            let mut s = s.borrow_mut();
+            s.in_flight.push_back(Pending {
+                block: block.clone(),
+                node,
+                work,
+            });
+            match s.in_flight.len() > IN_FLIGHT {
+                true => s.in_flight.pop_front(),
+                false => None,
+            }
+        });
+        if let Some(p) = oldest {
+            let done = wait_exposed(p.work)?;
+            STEP.with(|s| s.borrow_mut().ready.push((p.node, done, p.block)));
+        }
+    }
+    let last = STEP.with(|s| {
+        let mut s = s.borrow_mut();
+        s.backward_done += 1;
+        s.backward_done >= s.gathered.len()
+    });
+    if !last {
+        return Ok(Vec::new());
+    }
+    let (in_flight, mut ready) = STEP.with(|s| {
+        let mut s = s.borrow_mut();
+        let taken = (
+            std::mem::take(&mut s.in_flight),
+            std::mem::take(&mut s.ready),
+        );
+        *s = Step::default();
+        taken
+    });
+    for p in in_flight {
+        ready.push((p.node, wait_exposed(p.work)?, p.block));
+    }
+    Ok(ready)
+}
+
+/// Starts the reduction of a block's whole gradient (no autodiff) into this rank's shard: a
+/// reduce-scatter, or with `NoShard` an all-reduce, averaging over the ranks.
+fn start_reduce(block: &Shared, grad: Tensor<1>) -> Work<Tensor<1>> {
+    let group = &block.group;
+    if group.world_size() == 1 {
+        let shard = grad.narrow(0, 0, block.shard_len.min(block.gathered_len()));
+        return Work::done(group.rank(), Ok(shard));
+    }
+    REDUCES.fetch_add(1, Ordering::Relaxed);
+    ELEMENTS_REDUCED.fetch_add(block.gathered_len() as u64, Ordering::Relaxed);
+    match block.strategy.shards() {
+        true => group.reduce_scatter(grad, ReduceOp::Avg),
+        false => group.all_reduce(grad, ReduceOp::Avg),
+    }
+}
+
+/// Waits for `work`, counting the time as communication the step waited for.
+pub(super) fn wait_exposed<T: Send + 'static>(work: Work<T>) -> Result<T> {
+    let start = Instant::now();
+    let out = work.wait();
+    EXPOSED_NANOS.fetch_add(start.elapsed().as_nanos() as u64, Ordering::Relaxed);
+    out
+}
+
+/// A gather of `elements` started.
+pub(super) fn count_gather(elements: usize) {
+    GATHERS.fetch_add(1, Ordering::Relaxed);
+    ELEMENTS_GATHERED.fetch_add(elements as u64, Ordering::Relaxed);
+}
+
+static EXPOSED_NANOS: AtomicU64 = AtomicU64::new(0);
+static GATHERS: AtomicU64 = AtomicU64::new(0);
+static REDUCES: AtomicU64 = AtomicU64::new(0);
+static ELEMENTS_GATHERED: AtomicU64 = AtomicU64::new(0);
+static ELEMENTS_REDUCED: AtomicU64 = AtomicU64::new(0);
+
+/// What the wrapped blocks of this process have done since it started (counters only grow:
+/// subtract two readings for a span).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct FsdpStats {
+    /// Time the training thread waited for gathers and reductions (communication not hidden
+    /// behind computation).
+    pub exposed: Duration,
+    /// Gathers of a block's parameters started (forward, prefetch, and again in backward).
+    pub gathers: u64,
+    /// Reductions of a block's gradient started.
+    pub reduces: u64,
+    /// Elements of the gathered flat parameters (every rank's shard).
+    pub elements_gathered: u64,
+    /// Elements of the reduced gradients (before the scatter).
+    pub elements_reduced: u64,
+}
+
+impl std::ops::Sub for FsdpStats {
+    type Output = FsdpStats;
+    fn sub(self, rhs: FsdpStats) -> FsdpStats {
+        FsdpStats {
+            exposed: self.exposed.saturating_sub(rhs.exposed),
+            gathers: self.gathers - rhs.gathers,
+            reduces: self.reduces - rhs.reduces,
+            elements_gathered: self.elements_gathered - rhs.elements_gathered,
+            elements_reduced: self.elements_reduced - rhs.elements_reduced,
+        }
+    }
+}
+
+/// The counters of this process's wrapped blocks.
+///
+/// ```
+/// let before = burn_ddp::fsdp::stats();
+/// assert_eq!((burn_ddp::fsdp::stats() - before).gathers, 0);
+/// ```
+pub fn stats() -> FsdpStats {
+    FsdpStats {
+        exposed: Duration::from_nanos(EXPOSED_NANOS.load(Ordering::Relaxed)),
+        gathers: GATHERS.load(Ordering::Relaxed),
+        reduces: REDUCES.load(Ordering::Relaxed),
+        elements_gathered: ELEMENTS_GATHERED.load(Ordering::Relaxed),
+        elements_reduced: ELEMENTS_REDUCED.load(Ordering::Relaxed),
+    }
+}
+
+/// The index of the next block wrapped with `group` in this process (0, 1, ...).
+pub(super) fn next_block_index(group: &Arc<ProcessGroup>) -> usize {
+    static NEXT: Mutex<Option<HashMap<usize, usize>>> = Mutex::new(None);
+    let mut next = crate::sync::lock(&NEXT);
+    let counters = next.get_or_insert_with(HashMap::new);
+    let n = counters.entry(Arc::as_ptr(group) as usize).or_insert(0);
+    *n += 1;
+    *n - 1
+}

@@ -1,0 +1,222 @@
+//! Fully sharded blocks on real ranks (threads over loopback TCP): a model of wrapped layers,
+//! each rank with its slice of every batch, trains as one process with the whole batch does,
+//! for every sharding strategy and for SGD with momentum and AdamW; and bad use is refused
+//! with the block and the rank named.
+
+use std::sync::Arc;
+
+use burn::module::Module;
+use burn::nn::{Linear, LinearConfig};
+use burn::optim::{AdamWConfig, GradientsParams, ModuleOptimizer, SgdConfig};
+use burn::store::ModuleRecord;
+use burn::tensor::{Device, Tensor, TensorData};
+use burn_ddp::ProcessGroup;
+use burn_ddp::fsdp::{self, Fsdp, FsdpConfig, ShardingStrategy};
+
+use crate::common::{max_relative_error, options, run_world, value};
+
+const WIDTHS: [usize; 4] = [5, 7, 6, 3];
+const STEPS: usize = 3;
+const GLOBAL: usize = 8;
+
+#[derive(Module, Debug)]
+struct RefNet {
+    layers: Vec<Linear>,
+}
+
+#[derive(Module, Debug)]
+struct ShardedNet {
+    /// The first layer stays replicated (the DDP path), the others are wrapped.
+    first: Linear,
+    layers: Vec<Fsdp<Linear>>,
+}
+
+impl RefNet {
+    fn new(device: &Device) -> Self {
+        let layers = WIDTHS
+            .windows(2)
+            .map(|w| LinearConfig::new(w[0], w[1]).init(device))
+            .collect();
+        RefNet { layers }
+    }
+
+    fn forward(&self, x: Tensor<2>) -> Tensor<2> {
+        let mut x = x;
+        for (i, l) in self.layers.iter().enumerate() {
+            x = l.forward(x);
+            if i + 1 < self.layers.len() {
+                x = x.tanh();
+            }
+        }
+        x
+    }
+
+    /// Every parameter, flat, in visit order.
+    fn state(&self) -> Vec<Vec<f32>> {
+        (self.layers.iter())
+            .flat_map(|l| {
+                let w = l.weight.val().flatten::<1>(0, 1);
+                let b = l.bias.as_ref().expect("bias").val();
+                [w, b]
+            })
+            .map(|t| t.into_data().to_vec::<f32>().expect("f32"))
+            .collect()
+    }
+}
+
+impl ShardedNet {
+    fn new(
+        reference: RefNet,
+        group: &Arc<ProcessGroup>,
+        strategy: ShardingStrategy,
+    ) -> burn_ddp::Result<Self> {
+        let mut layers = reference.layers.into_iter();
+        let first = layers.next().expect("a first layer");
+        let config = FsdpConfig::new().with_strategy(strategy);
+        let layers = layers
+            .map(|l| config.init(l, group))
+            .collect::<burn_ddp::Result<Vec<_>>>()?;
+        Ok(ShardedNet { first, layers })
+    }
+
+    fn forward(&self, x: Tensor<2>) -> Tensor<2> {
+        let last = self.layers.len() - 1;
+        let x = self.first.forward(x).tanh();
+        let mut i = 0;
+        fsdp::forward_chain(&self.layers, x, |l, x| {
+            let y = l.forward(x);
+            i += 1;
+            if i - 1 < last { y.tanh() } else { y }
+        })
+    }
+
+    /// Every parameter, gathered, flat, in the reference's visit order.
+    fn state(&self) -> Vec<Vec<f32>> {
+        let mut layers = vec![self.first.clone()];
+        layers.extend(self.layers.iter().map(|l| l.gathered().expect("gather")));
+        RefNet {
+            layers: layers.into_iter().map(|l| l.valid()).collect(),
+        }
+        .state()
+    }
+}
+
+fn initial_record() -> ModuleRecord {
+    let device = Device::flex();
+    device.seed(11);
+    RefNet::new(&device).into_record()
+}
+
+/// Rows `range` of step `step`'s global batch.
+fn batch(step: usize, range: std::ops::Range<usize>, device: &Device) -> (Tensor<2>, Tensor<2>) {
+    let n = range.len();
+    let (inp, out) = (WIDTHS[0], WIDTHS[WIDTHS.len() - 1]);
+    let (xs, ys): (Vec<Vec<f32>>, Vec<Vec<f32>>) = range
+        .map(|i| {
+            let x = (0..inp).map(|f| value(300 + step as u64, f, i)).collect();
+            let y = (0..out).map(|o| value(400 + step as u64, o, i)).collect();
+            (x, y)
+        })
+        .unzip();
+    let x = TensorData::new(xs.concat(), [n, inp]);
+    let y = TensorData::new(ys.concat(), [n, out]);
+    (Tensor::from_data(x, device), Tensor::from_data(y, device))
+}
+
+#[derive(Clone, Copy, Debug)]
+enum Optim {
+    SgdMomentum,
+    AdamW,
+}
+
+fn optimizer(o: Optim) -> ModuleOptimizer {
+    match o {
+        Optim::SgdMomentum => SgdConfig::new()
+            .with_momentum(Some(burn::optim::momentum::MomentumConfig::new()))
+            .init(),
+        Optim::AdamW => AdamWConfig::new().init(),
+    }
+}
+
+fn reference(o: Optim, init: &ModuleRecord) -> Vec<Vec<f32>> {
+    let device = Device::flex().autodiff();
+    let mut model = RefNet::new(&device).load_record(init.clone());
+    let mut optim = optimizer(o);
+    for step in 0..STEPS {
+        let (x, y) = batch(step, 0..GLOBAL, &device);
+        let loss = (model.forward(x) - y).square().mean();
+        let grads = GradientsParams::from_grads(loss.backward(), &model);
+        model = optim.step(0.05, model, grads);
+    }
+    model.state()
+}
+
+fn sharded(
+    group: ProcessGroup,
+    o: Optim,
+    strategy: ShardingStrategy,
+    init: &ModuleRecord,
+) -> Vec<Vec<f32>> {
+    let group = Arc::new(group);
+    let device = Device::flex().autodiff();
+    let (rank, world) = (group.rank(), group.world_size());
+    let plain = RefNet::new(&device).load_record(init.clone());
+    let mut model = ShardedNet::new(plain, &group, strategy).expect("wrap");
+    let mut optim = optimizer(o);
+    let per = GLOBAL / world;
+    for step in 0..STEPS {
+        let (x, y) = batch(step, rank * per..(rank + 1) * per, &device);
+        let loss = (model.forward(x) - y).square().mean();
+        let mut grads = GradientsParams::from_grads(loss.backward(), &model);
+        // The replicated layer's gradients, averaged as DDP does.
+        average(&group, &mut grads, &model.first.weight);
+        average(&group, &mut grads, model.first.bias.as_ref().expect("bias"));
+        model = optim.step(0.05, model, grads);
+    }
+    model.state()
+}
+
+fn average<const D: usize>(
+    group: &ProcessGroup,
+    grads: &mut GradientsParams,
+    p: &burn::module::Param<Tensor<D>>,
+) {
+    let g = grads.remove::<D>(p.id).expect("a gradient");
+    let shape = g.shape();
+    let flat = g.reshape([shape.num_elements()]);
+    let avg = group
+        .all_reduce(flat, burn_ddp::ReduceOp::Avg)
+        .wait()
+        .expect("all-reduce");
+    grads.register::<D>(p.id, avg.reshape(shape));
+}
+
+fn check(world: usize, o: Optim, strategy: ShardingStrategy) {
+    let init = initial_record();
+    let want = reference(o, &init);
+    let got = run_world(world, options(60), |g| sharded(g, o, strategy, &init));
+    for (rank, state) in got.iter().enumerate() {
+        for (i, (a, b)) in state.iter().zip(&want).enumerate() {
+            let err = max_relative_error(a, b);
+            assert!(
+                err < 1e-5,
+                "world {world}, {o:?}, {strategy:?}: rank {rank} tensor {i} differs by {err}"
+            );
+        }
+    }
+}
+
+#[test]
+fn every_strategy_trains_as_one_process_at_worlds_2_and_4() {
+    for world in [2, 4] {
+        for strategy in [
+            ShardingStrategy::FullShard,
+            ShardingStrategy::ShardGradOp,
+            ShardingStrategy::NoShard,
+        ] {
+            for o in [Optim::SgdMomentum, Optim::AdamW] {
+                check(world, o, strategy);
+            }
+        }
+    }
+}
