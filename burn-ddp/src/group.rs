@@ -51,6 +51,9 @@ pub struct ProcessGroup {
     status: StatusBoard,
     options: GroupOptions,
     all_reduces: AtomicU64,
+    /// Blocks wrapped for fully sharded training with this group so far (their default names).
+    #[cfg(feature = "train")]
+    pub(crate) fsdp_blocks: std::sync::atomic::AtomicUsize,
     transport: Transport,
     /// State the layers above keep per group, one value per type (see
     /// [`ProcessGroup::attachment`]).

@@ -31,6 +31,11 @@ struct Gpus;
 #[doc = include_str!("../../docs/guide/zero.md")]
 struct Zero;
 
+/// `docs/guide/fsdp.md`.
+#[cfg(doctest)]
+#[doc = include_str!("../../docs/guide/fsdp.md")]
+struct FullySharded;
+
 /// `docs/guide/checkpoints.md`.
 #[cfg(doctest)]
 #[doc = include_str!("../../docs/guide/checkpoints.md")]

@@ -276,3 +276,40 @@ fn xtask_tasks_that_start_ranks_run() {
         ran.describe()
     );
 }
+
+/// `bench-train --fsdp` with a tiny transformer: the table of DDP, ZeRO-2 and FSDP at worlds 2
+/// and 4, with each rank's parameters, gradients and optimizer state counted, and FSDP full
+/// holding at most `1/N` of DDP's (+ 2 %); the capped pair runs or says why it was skipped.
+#[test]
+fn bench_train_fsdp_prints_its_table() {
+    let args = [
+        "bench-train",
+        "--debug",
+        "--fsdp",
+        "--width",
+        "64",
+        "--heads",
+        "4",
+        "--layers",
+        "2",
+        "--steps",
+        "1",
+    ];
+    let ran = run(xtask(&args));
+    ran.succeeds_printing(&[
+        "state/rank",
+        "peak RSS",
+        "world 2, DDP",
+        "world 2, ZeRO-2",
+        "world 4, FSDP full",
+        "world 4, FSDP grad-op",
+        "world 2: FSDP full holds",
+        "(target <= 0.5200): met",
+        "(target <= 0.2700): met",
+    ]);
+    assert!(
+        ran.stdout.contains("capped at") || ran.stdout.contains("capped runs skipped"),
+        "neither the capped runs nor why they were skipped: {}",
+        ran.describe()
+    );
+}

@@ -4,9 +4,9 @@
 //! counters of [`stats`].
 
 use std::cell::RefCell;
-use std::collections::{HashMap, VecDeque};
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::collections::VecDeque;
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use burn::backend::autodiff::NodeId;
@@ -129,8 +129,10 @@ fn start_reduce(block: &Shared, grad: Tensor<1>) -> Work<Tensor<1>> {
         let shard = grad.narrow(0, 0, block.shard_len.min(block.gathered_len()));
         return Work::done(group.rank(), Ok(shard));
     }
-    REDUCES.fetch_add(1, Ordering::Relaxed);
-    ELEMENTS_REDUCED.fetch_add(block.gathered_len() as u64, Ordering::Relaxed);
+    count(|s| {
+        s.reduces += 1;
+        s.elements_reduced += block.gathered_len() as u64;
+    });
     match block.strategy.shards() {
         true => group.reduce_scatter(grad, ReduceOp::Avg),
         false => group.all_reduce(grad, ReduceOp::Avg),
@@ -141,24 +143,29 @@ fn start_reduce(block: &Shared, grad: Tensor<1>) -> Work<Tensor<1>> {
 pub(super) fn wait_exposed<T: Send + 'static>(work: Work<T>) -> Result<T> {
     let start = Instant::now();
     let out = work.wait();
-    EXPOSED_NANOS.fetch_add(start.elapsed().as_nanos() as u64, Ordering::Relaxed);
+    count(|s| s.exposed += start.elapsed());
     out
 }
 
 /// A gather of `elements` started.
 pub(super) fn count_gather(elements: usize) {
-    GATHERS.fetch_add(1, Ordering::Relaxed);
-    ELEMENTS_GATHERED.fetch_add(elements as u64, Ordering::Relaxed);
+    count(|s| {
+        s.gathers += 1;
+        s.elements_gathered += elements as u64;
+    });
 }
 
-static EXPOSED_NANOS: AtomicU64 = AtomicU64::new(0);
-static GATHERS: AtomicU64 = AtomicU64::new(0);
-static REDUCES: AtomicU64 = AtomicU64::new(0);
-static ELEMENTS_GATHERED: AtomicU64 = AtomicU64::new(0);
-static ELEMENTS_REDUCED: AtomicU64 = AtomicU64::new(0);
+thread_local! {
+    static STATS: RefCell<FsdpStats> = RefCell::default();
+}
 
-/// What the wrapped blocks of this process have done since it started (counters only grow:
-/// subtract two readings for a span).
+/// Adds to this thread's counters.
+fn count(f: impl FnOnce(&mut FsdpStats)) {
+    STATS.with(|s| f(&mut s.borrow_mut()));
+}
+
+/// What the wrapped blocks run by this thread (the training thread) have done since it started
+/// (counters only grow: subtract two readings for a span).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct FsdpStats {
     /// Time the training thread waited for gathers and reductions (communication not hidden
@@ -187,28 +194,17 @@ impl std::ops::Sub for FsdpStats {
     }
 }
 
-/// The counters of this process's wrapped blocks.
+/// The counters of the wrapped blocks this thread ran (forward, backward and their waits).
 ///
 /// ```
 /// let before = burn_ddp::fsdp::stats();
 /// assert_eq!((burn_ddp::fsdp::stats() - before).gathers, 0);
 /// ```
 pub fn stats() -> FsdpStats {
-    FsdpStats {
-        exposed: Duration::from_nanos(EXPOSED_NANOS.load(Ordering::Relaxed)),
-        gathers: GATHERS.load(Ordering::Relaxed),
-        reduces: REDUCES.load(Ordering::Relaxed),
-        elements_gathered: ELEMENTS_GATHERED.load(Ordering::Relaxed),
-        elements_reduced: ELEMENTS_REDUCED.load(Ordering::Relaxed),
-    }
+    STATS.with(|s| *s.borrow())
 }
 
 /// The index of the next block wrapped with `group` in this process (0, 1, ...).
-pub(super) fn next_block_index(group: &Arc<ProcessGroup>) -> usize {
-    static NEXT: Mutex<Option<HashMap<usize, usize>>> = Mutex::new(None);
-    let mut next = crate::sync::lock(&NEXT);
-    let counters = next.get_or_insert_with(HashMap::new);
-    let n = counters.entry(Arc::as_ptr(group) as usize).or_insert(0);
-    *n += 1;
-    *n - 1
+pub(super) fn next_block_index(group: &ProcessGroup) -> usize {
+    group.fsdp_blocks.fetch_add(1, Ordering::Relaxed)
 }

@@ -251,6 +251,8 @@ impl ProcessGroupBuilder {
             status,
             options: self.options,
             all_reduces: AtomicU64::new(0),
+            #[cfg(feature = "train")]
+            fsdp_blocks: std::sync::atomic::AtomicUsize::new(0),
             transport: in_use,
             attachments: Default::default(),
             _server: server,

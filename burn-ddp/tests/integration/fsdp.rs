@@ -157,8 +157,17 @@ fn sharded(
     strategy: ShardingStrategy,
     init: &ModuleRecord,
 ) -> Vec<Vec<f32>> {
+    sharded_on(group, o, strategy, init, Device::flex().autodiff())
+}
+
+fn sharded_on(
+    group: ProcessGroup,
+    o: Optim,
+    strategy: ShardingStrategy,
+    init: &ModuleRecord,
+    device: Device,
+) -> Vec<Vec<f32>> {
     let group = Arc::new(group);
-    let device = Device::flex().autodiff();
     let (rank, world) = (group.rank(), group.world_size());
     let plain = RefNet::new(&device).load_record(init.clone());
     let mut model = ShardedNet::new(plain, &group, strategy).expect("wrap");
@@ -218,5 +227,101 @@ fn every_strategy_trains_as_one_process_at_worlds_2_and_4() {
                 check(world, o, strategy);
             }
         }
+    }
+}
+
+/// burn's gradient checkpointing drops the gathered parameters of a `FullShard` block after
+/// the forward pass and gathers them again in backward (the gather's retro-forward): the
+/// training is the same.
+#[test]
+fn full_shard_under_gradient_checkpointing_trains_as_one_process() {
+    let init = initial_record();
+    for o in [Optim::SgdMomentum, Optim::AdamW] {
+        let want = reference(o, &init);
+        let got = run_world(2, options(60), |g| {
+            let before = fsdp::stats();
+            let state = sharded_on(g, o, ShardingStrategy::FullShard, &init, checkpointed());
+            (state, (fsdp::stats() - before).gathers)
+        });
+        for (rank, (state, gathers)) in got.iter().enumerate() {
+            for (i, (a, b)) in state.iter().zip(&want).enumerate() {
+                let err = max_relative_error(a, b);
+                assert!(err < 1e-5, "{o:?}: rank {rank} tensor {i} differs by {err}");
+            }
+            // Each step: 2 blocks gathered in forward, again in backward; then the final
+            // gather of the state (2 blocks).
+            let want = STEPS as u64 * 2 * 2 + 2;
+            assert_eq!(*gathers, want, "{o:?}: rank {rank}'s gathers");
+        }
+    }
+}
+
+fn checkpointed() -> Device {
+    Device::flex().autodiff().gradient_checkpointing()
+}
+
+/// A block used twice in one forward pass is refused, naming the block and the rank.
+#[test]
+fn a_block_run_twice_in_one_forward_pass_is_refused() {
+    let init = initial_record();
+    let messages = run_world(2, options(30), |g| {
+        let group = Arc::new(g);
+        let device = Device::flex().autodiff();
+        let plain = RefNet::new(&device).load_record(init.clone());
+        let model = ShardedNet::new(plain, &group, ShardingStrategy::FullShard).expect("wrap");
+        let (x, _) = batch(0, 0..2, &device);
+        let once = model.layers[0].forward(model.first.forward(x), |l, x| l.forward(x));
+        let twice = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            model.layers[0].forward(once.clone(), |l, x| l.forward(x))
+        }));
+        let Err(panic) = twice else {
+            panic!("a second run of the block was not refused")
+        };
+        // Backward of the first run still works, and the block runs again after it.
+        let _ = once.sum().backward();
+        panic.downcast_ref::<String>().cloned().unwrap_or_default()
+    });
+    for (rank, m) in messages.iter().enumerate() {
+        assert!(
+            m.contains(&format!("rank {rank}: fsdp block 0:")) && m.contains("second time"),
+            "{m}"
+        );
+    }
+}
+
+/// Ranks that wrap different blocks are told which ranks and what each wraps; a block without
+/// parameters is refused.
+#[test]
+fn ranks_wrapping_differently_and_empty_blocks_are_refused() {
+    let errors = run_world(2, options(30), |g| {
+        let group = Arc::new(g);
+        let device = Device::flex();
+        let width = if group.rank() == 1 { 4 } else { 3 };
+        let block = LinearConfig::new(2, width).init(&device);
+        let differ = FsdpConfig::new()
+            .with_name("proj")
+            .init(block, &group)
+            .map(|_| ());
+        let empty = FsdpConfig::new()
+            .init(burn::nn::Relu::new(), &group)
+            .map(|_| ());
+        (
+            differ.expect_err("different blocks").to_string(),
+            empty.expect_err("no parameters").to_string(),
+        )
+    });
+    for (rank, (differ, empty)) in errors.iter().enumerate() {
+        assert!(
+            differ.contains("fsdp proj: the ranks wrap different blocks")
+                && differ.contains("rank 1 wraps proj, full: 2 parameters of F32")
+                && differ.contains("weight [2, 4], bias [4]"),
+            "rank {rank}: {differ}"
+        );
+        assert!(
+            empty.contains(&format!(
+                "rank {rank}: fsdp block 1: the block has no float parameter"
+            )),
+            "rank {rank}: {empty}"
+        );
     }
 }

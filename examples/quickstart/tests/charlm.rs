@@ -82,3 +82,121 @@ fn world_2_with_batch_b_equals_world_1_with_batch_2b_without_dropout() {
         let _ = std::fs::remove_dir_all(d);
     }
 }
+
+/// A scratch directory of this process, removed when dropped.
+struct Scratch(std::path::PathBuf);
+
+impl Scratch {
+    fn new(name: &str) -> Self {
+        let dir = std::env::temp_dir().join(format!("charlm-{name}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        Scratch(dir)
+    }
+}
+
+impl Drop for Scratch {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// How `charlm ARGS` ended: its exit code (`None` when a signal ended it), stdout and stderr.
+struct Ended {
+    code: Option<i32>,
+    stdout: String,
+    stderr: String,
+}
+
+impl std::fmt::Display for Ended {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let (code, out, err) = (self.code, &self.stdout, &self.stderr);
+        write!(f, "exit code {code:?}\n--- stdout\n{out}--- stderr\n{err}")
+    }
+}
+
+/// Runs the `charlm` program alone (a world of one: no launcher's variables), with its files
+/// in `scratch` (burn-train's artifacts go to the temporary directory), killed after 120 s.
+fn charlm(scratch: &Scratch, args: &[&str]) -> Ended {
+    use std::process::{Command, Stdio};
+    let (out, err) = (scratch.0.join("stdout"), scratch.0.join("stderr"));
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_charlm"));
+    cmd.args(args)
+        .env("TMPDIR", &scratch.0)
+        .stdin(Stdio::null())
+        .stdout(std::fs::File::create(&out).unwrap())
+        .stderr(std::fs::File::create(&err).unwrap());
+    for var in [
+        "RANK",
+        "WORLD_SIZE",
+        "LOCAL_RANK",
+        "LOCAL_WORLD_SIZE",
+        "MASTER_ADDR",
+    ] {
+        cmd.env_remove(var);
+    }
+    let mut child = cmd.spawn().unwrap();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(120);
+    let status = loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            break status;
+        }
+        if std::time::Instant::now() > deadline {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("charlm {args:?} ran past 120 s");
+        }
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    };
+    Ended {
+        code: status.code(),
+        stdout: std::fs::read_to_string(out).unwrap(),
+        stderr: std::fs::read_to_string(err).unwrap(),
+    }
+}
+
+#[test]
+fn the_fsdp_flag_takes_full_grad_op_or_none_and_refuses_anything_else() {
+    let scratch = Scratch::new("flag");
+    let refused = charlm(&scratch, &["--fsdp", "zero3"]);
+    assert_eq!(refused.code, Some(2), "{refused}");
+    for said in [
+        "invalid value 'zero3' for '--fsdp <STRATEGY>'",
+        "[possible values: full, grad-op, none]",
+    ] {
+        assert!(refused.stderr.contains(said), "{said:?} missing: {refused}");
+    }
+    let refused = charlm(&scratch, &["--fsdp", "none", "--plain"]);
+    assert_eq!(refused.code, Some(2), "{refused}");
+    assert!(refused.stderr.contains("cannot be used with"), "{refused}");
+
+    // A few steps alone with each strategy: two blocks wrapped, training ends.
+    for strategy in ["full", "grad-op", "none"] {
+        let args = [
+            "--fsdp",
+            strategy,
+            "--epochs",
+            "1",
+            "--quiet",
+            "--max-sequences",
+            "16",
+            "--batch-size",
+            "8",
+            "--seq-len",
+            "16",
+            "--d-model",
+            "32",
+            "--heads",
+            "2",
+        ];
+        let ran = charlm(&scratch, &args);
+        assert_eq!(ran.code, Some(0), "{ran}");
+        for said in [
+            &format!("rank 0: fsdp {strategy}: 2 blocks wrapped"),
+            "1 rank(s), 1 epochs, batch 8 per rank: validation accuracy",
+            "parameters digest",
+        ] {
+            assert!(ran.stdout.contains(said), "{said:?} missing: {ran}");
+        }
+    }
+}
