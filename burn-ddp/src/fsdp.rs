@@ -54,6 +54,7 @@
 mod flat;
 mod gather;
 mod module;
+mod state;
 mod step;
 
 use std::sync::Arc;
@@ -67,7 +68,9 @@ use crate::error::{DdpError, Result};
 use crate::wire::Writer;
 use crate::{ProcessGroup, Work};
 
-pub(crate) use module::shard_ids;
+pub(crate) use module::{first_block, shard_gradients};
+pub(crate) use state::replicated;
+pub use state::{full_record, load_full_record};
 pub use step::{FsdpStats, stats};
 
 /// How a wrapped block's parameters, gradients and optimizer state are divided over the ranks
@@ -210,7 +213,6 @@ impl FsdpConfig {
             template: Template::of(block),
             shared: Arc::new(Shared {
                 name,
-                index,
                 strategy: self.strategy,
                 layout,
                 shard_len,
@@ -275,8 +277,6 @@ pub struct Fsdp<M: Module> {
 pub(crate) struct Shared {
     /// The block's name in errors and logs.
     pub(crate) name: String,
-    /// Its position among the blocks this process wrapped with its group.
-    pub(crate) index: usize,
     pub(crate) strategy: ShardingStrategy,
     /// Where each parameter lies in the flat vector.
     pub(crate) layout: FlatLayout,

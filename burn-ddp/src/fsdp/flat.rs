@@ -224,13 +224,35 @@ impl<M: Module> Template<M> {
         self.0.clone().map(&mut fill)
     }
 
+    /// The block with lazy parameters of their true shapes (never initialized unless read):
+    /// what a record is loaded into.
+    pub(crate) fn lazy(&self, layout: &FlatLayout) -> M {
+        struct Lazy<'a> {
+            layout: &'a FlatLayout,
+            next: usize,
+        }
+        impl ModuleMapper for Lazy<'_> {
+            fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
+                let p = &self.layout.params[self.next];
+                self.next += 1;
+                let shape = Shape::from(p.shape.clone());
+                let (dtype, trainable) = (self.layout.dtype, self.layout.trainable);
+                let device = self.layout.device.clone();
+                let init_shape = shape.clone();
+                Param::uninitialized(
+                    param.id,
+                    move |device, _| Tensor::<D>::zeros(init_shape, (device, dtype)),
+                    device,
+                    trainable,
+                    shape,
+                )
+            }
+        }
+        self.0.clone().map(&mut Lazy { layout, next: 0 })
+    }
+
     /// The template itself (for moving it between devices).
     pub(crate) fn map_module(self, f: impl FnOnce(M) -> M) -> Self {
         Template(f(self.0))
-    }
-
-    /// The emptied block.
-    pub(crate) fn module(&self) -> &M {
-        &self.0
     }
 }

@@ -2,15 +2,15 @@
 //! float parameter, the shard, under the field [`SHARD_FIELD`] of a container named
 //! [`CONTAINER`]; that is how the rest of burn-ddp tells a shard from a replicated parameter.
 
-use std::collections::HashSet;
-
 use burn::module::{
     Content, Devices, Module, ModuleDisplay, ModuleDisplayDefault, ModuleMapper, ModuleVisitor,
-    Param, ParamId,
+    Param,
 };
+use burn::optim::GradientsParams;
 use burn::tensor::{Device, Tensor};
 
-use super::Fsdp;
+use super::state::{self, Mode};
+use super::{Fsdp, flat};
 
 /// The field name of the shard in module paths (`blocks.0.fsdp_shard`).
 pub(crate) const SHARD_FIELD: &str = "fsdp_shard";
@@ -59,12 +59,28 @@ impl<M: Module> Module for Fsdp<M> {
     }
 
     fn visit<V: ModuleVisitor>(&self, visitor: &mut V) {
-        visitor.enter_module(SHARD_FIELD, CONTAINER);
-        self.shard.visit(visitor);
-        visitor.exit_module(SHARD_FIELD, CONTAINER);
+        match state::mode() {
+            Mode::Sharded | Mode::Load => {
+                visitor.enter_module(SHARD_FIELD, CONTAINER);
+                self.shard.visit(visitor);
+                visitor.exit_module(SHARD_FIELD, CONTAINER);
+            }
+            // The whole block, where the block itself would be (no field of its own).
+            Mode::Save { keep } => match self.gathered() {
+                Ok(block) if keep => block.visit(visitor),
+                Ok(_) => {}
+                Err(e) => state::fail(e),
+            },
+            Mode::Replicated => {}
+        }
     }
 
     fn map<Mapper: ModuleMapper>(self, mapper: &mut Mapper) -> Self {
+        match state::mode() {
+            Mode::Load => return self.load_whole(mapper),
+            Mode::Replicated => return self,
+            Mode::Sharded | Mode::Save { .. } => {}
+        }
         mapper.enter_module(SHARD_FIELD, CONTAINER);
         let shard = Module::map(self.shard, mapper);
         mapper.exit_module(SHARD_FIELD, CONTAINER);
@@ -85,16 +101,38 @@ impl<M: Module> ModuleDisplayDefault for Fsdp<M> {
 
 impl<M: Module> ModuleDisplay for Fsdp<M> {}
 
-/// The ids of every shard in `module` (the parameters of its [`Fsdp`] blocks), which the
-/// data-parallel machinery leaves alone: they differ between ranks by design, and their
-/// gradients are reduced in backward.
-pub(crate) fn shard_ids<M: Module>(module: &M) -> HashSet<ParamId> {
+/// The module path of the first wrapped block in `module` (`None` without one): for errors
+/// of the data-parallel machinery about a model with wrapped blocks.
+pub(crate) fn first_block<M: Module>(module: &M) -> Option<String> {
     #[derive(Default)]
     struct Find {
-        depth_in_shard: usize,
-        ids: HashSet<ParamId>,
+        path: Vec<String>,
+        found: Option<String>,
     }
     impl ModuleVisitor for Find {
+        fn enter_module(&mut self, name: &str, container: &str) {
+            if container == CONTAINER && self.found.is_none() {
+                self.found = Some(self.path.join("."));
+            }
+            self.path.push(name.to_string());
+        }
+        fn exit_module(&mut self, _: &str, _: &str) {
+            self.path.pop();
+        }
+    }
+    let mut find = Find::default();
+    state::sharded(|| module.visit(&mut find));
+    find.found
+}
+
+/// The gradients in `grads` of every shard in `module`, flattened, in visit order.
+pub(crate) fn shard_gradients<M: Module>(module: &M, grads: &GradientsParams) -> Vec<Tensor<1>> {
+    struct Find<'a> {
+        grads: &'a GradientsParams,
+        depth_in_shard: usize,
+        found: Vec<Tensor<1>>,
+    }
+    impl ModuleVisitor for Find<'_> {
         fn enter_module(&mut self, _: &str, container: &str) {
             if container == CONTAINER || self.depth_in_shard > 0 {
                 self.depth_in_shard += 1;
@@ -104,12 +142,48 @@ pub(crate) fn shard_ids<M: Module>(module: &M) -> HashSet<ParamId> {
             self.depth_in_shard = self.depth_in_shard.saturating_sub(1);
         }
         fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
-            if self.depth_in_shard > 0 {
-                self.ids.insert(param.id);
+            if self.depth_in_shard == 0 {
+                return;
+            }
+            if let Some(g) = self.grads.get::<D>(param.id) {
+                let n = g.shape().num_elements();
+                self.found.push(g.reshape([n]));
             }
         }
     }
-    let mut find = Find::default();
-    module.visit(&mut find);
-    find.ids
+    let mut find = Find {
+        grads,
+        depth_in_shard: 0,
+        found: Vec::new(),
+    };
+    state::sharded(|| module.visit(&mut find));
+    find.found
+}
+
+impl<M: Module> Fsdp<M> {
+    /// The block's parameters taken from `mapper` (a record being loaded) as the whole block,
+    /// then cut to this rank's piece, which replaces the shard (its id kept).
+    fn load_whole<Mapper: ModuleMapper>(self, mapper: &mut Mapper) -> Self {
+        let layout = &self.shared.layout;
+        let whole = self.template.lazy(layout).map(mapper);
+        let flat = flat::flatten(&whole, layout);
+        let piece = match self.shared.strategy.shards() {
+            true => {
+                let start = self.shared.group.rank() * self.shared.shard_len;
+                flat::piece(flat, start, self.shared.shard_len, &layout.device)
+            }
+            false => flat,
+        };
+        let current = self.shard.val();
+        let device = current.device();
+        let piece = flat::on_device(piece.to_device(&device.clone().inner()), &device);
+        let piece = match current.is_require_grad() {
+            true => piece.require_grad(),
+            false => piece,
+        };
+        Fsdp {
+            shard: Param::initialized(self.shard.id, piece),
+            ..self
+        }
+    }
 }

@@ -143,6 +143,9 @@ impl GradientReducer {
         if self.group.world_size() == 1 {
             return Ok((grads, stats));
         }
+        if self.shards_not_finite(model, &grads, at)? {
+            return Ok((GradientsParams::new(), stats));
+        }
         let (mut flat, device) = take_gradients(model, &mut grads, self.params.len())?;
         let Some(device) = device else {
             return Ok((grads, stats));
@@ -183,9 +186,11 @@ impl GradientReducer {
         if let Some(owners) = &self.owners {
             owners.keep_own(&mut reduced);
         }
-        model.visit(&mut RegisterGradients {
-            grads: &mut grads,
-            flat: reduced.into_iter(),
+        crate::fsdp::replicated(|| {
+            model.visit(&mut RegisterGradients {
+                grads: &mut grads,
+                flat: reduced.into_iter(),
+            })
         });
         if let Some(trace) = trace {
             trace.span(Span::named("unpack"), COMPUTE, unpacking, Instant::now());
@@ -193,6 +198,32 @@ impl GradientReducer {
         stats.communication = first_sent.map_or(0.0, |t| (unpacking - t).as_secs_f64());
         stats.bytes = self.bytes_per_step() as f64;
         Ok((grads, stats))
+    }
+
+    /// The non-finite check of the gradients of wrapped blocks' shards ([`crate::fsdp`]),
+    /// reduced in backward and so not in any bucket: each rank's slot in one small all-reduce
+    /// (only for a model with wrapped blocks). `true` when the step is to be skipped.
+    fn shards_not_finite<M: Module>(
+        &self,
+        model: &M,
+        grads: &GradientsParams,
+        at: (usize, usize),
+    ) -> Result<bool> {
+        if !self.non_finite.checks() || crate::fsdp::first_block(model).is_none() {
+            return Ok(false);
+        }
+        let (rank, world) = (self.group.rank(), self.group.world_size());
+        let shards = crate::fsdp::shard_gradients(model, grads);
+        let slots = NonFinite::slots(&shards, rank, world)?;
+        let summed = self.group.all_reduce(slots, ReduceOp::Sum).wait()?;
+        let culprits = NonFinite::marked(&summed);
+        if culprits.is_empty() {
+            return Ok(false);
+        }
+        match self.non_finite.decide(rank, &culprits, at) {
+            Some(e) => Err(e),
+            None => Ok(true),
+        }
     }
 
     /// Packs every bucket and starts its reduction (an all-reduce, or a reduce-scatter into
@@ -409,7 +440,7 @@ fn take_gradients<M: Module>(
         flat: Vec::with_capacity(expected),
         device: None,
     };
-    model.visit(&mut take);
+    crate::fsdp::replicated(|| model.visit(&mut take));
     if take.flat.len() != expected {
         return Err(DdpError::Disagreement(format!(
             "the model has {} trainable tensors, the bucket plan {expected}",

@@ -59,7 +59,7 @@ impl RefNet {
                 let b = l.bias.as_ref().expect("bias").val();
                 [w, b]
             })
-            .map(|t| t.into_data().to_vec::<f32>().expect("f32"))
+            .map(|t| t.into_data().try_to_vec::<f32>().expect("f32"))
             .collect()
     }
 }
@@ -323,5 +323,67 @@ fn ranks_wrapping_differently_and_empty_blocks_are_refused() {
             )),
             "rank {rank}: {empty}"
         );
+    }
+}
+
+/// A model trained at world 4 gives rank 0 its whole record, which loads into the unwrapped
+/// model and into the wrapped model at world 2 (each rank keeping its piece): the same
+/// parameters everywhere.
+#[test]
+fn the_full_record_loads_unwrapped_and_at_another_world_size() {
+    let init = initial_record();
+    let saved = run_world(4, options(60), |g| {
+        let group = Arc::new(g);
+        let device = Device::flex().autodiff();
+        let plain = RefNet::new(&device).load_record(init.clone());
+        let model = ShardedNet::new(plain, &group, ShardingStrategy::FullShard).expect("wrap");
+        let mut optim = optimizer(Optim::AdamW);
+        let (x, y) = batch(0, group.rank() * 2..group.rank() * 2 + 2, &device);
+        let loss = (model.forward(x) - y).square().mean();
+        let mut grads = GradientsParams::from_grads(loss.backward(), &model);
+        average(&group, &mut grads, &model.first.weight);
+        average(&group, &mut grads, model.first.bias.as_ref().expect("bias"));
+        let model = optim.step(0.05, model, grads);
+        let record = fsdp::full_record(&model, &group).expect("full record");
+        assert_eq!(record.is_some(), group.rank() == 0);
+        (model.state(), record)
+    });
+    let want = saved[0].0.clone();
+    let record = saved[0].1.clone().expect("rank 0's record");
+    assert_ne!(
+        want,
+        RefNet::new(&Device::flex())
+            .load_record(init.clone())
+            .state()
+    );
+
+    // The unwrapped twin of ShardedNet: the same fields, no wrapper.
+    #[derive(Module, Debug)]
+    struct Unwrapped {
+        first: Linear,
+        layers: Vec<Linear>,
+    }
+    let mut fresh = RefNet::new(&Device::flex()).layers.into_iter();
+    let first = fresh.next().expect("a first layer");
+    let unwrapped = Unwrapped {
+        first,
+        layers: fresh.collect(),
+    }
+    .load_record(record.clone());
+    let mut layers = vec![unwrapped.first];
+    layers.extend(unwrapped.layers);
+    assert_eq!(RefNet { layers }.state(), want, "the unwrapped model");
+
+    let resumed = run_world(2, options(60), |g| {
+        let group = Arc::new(g);
+        let device = Device::flex().autodiff();
+        device.seed(99 + group.rank() as u64);
+        let fresh = ShardedNet::new(RefNet::new(&device), &group, ShardingStrategy::FullShard)
+            .expect("wrap");
+        let loaded = fsdp::load_full_record(fresh, record.clone(), &group).expect("load");
+        loaded.state()
+    });
+    for (rank, state) in resumed.iter().enumerate() {
+        assert_eq!(state, &want, "rank {rank} at world 2");
     }
 }

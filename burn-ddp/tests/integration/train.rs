@@ -25,6 +25,7 @@ pub(crate) mod compression;
 mod disagreement;
 pub(crate) mod equivalence;
 pub(crate) mod evaluation;
+mod fsdp;
 mod job;
 mod join;
 pub(crate) mod lockstep;

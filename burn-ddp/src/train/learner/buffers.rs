@@ -123,7 +123,9 @@ impl Buffers {
             Select::All
         };
         merge_updates(model);
-        check_replicas(&self.group, &flat_values(model, select), when)
+        // Shards differ between ranks by design: the replicas are the rest.
+        let values = crate::fsdp::replicated(|| flat_values(model, select));
+        check_replicas(&self.group, &values, when)
     }
 }
 

@@ -77,7 +77,7 @@ pub fn layout<M: Module>(module: &M) -> Vec<ParamInfo> {
         path: PathTracker::default(),
         out: Vec::new(),
     };
-    module.visit(&mut v);
+    crate::fsdp::replicated(|| module.visit(&mut v));
     v.out
 }
 
@@ -179,7 +179,7 @@ impl Flatten {
             select,
             parts: Vec::new(),
         };
-        module.visit(&mut flatten);
+        crate::fsdp::replicated(|| module.visit(&mut flatten));
         let carrier = if flatten.parts.iter().any(|t| t.dtype() == DType::F64) {
             DType::F64
         } else {
@@ -222,11 +222,12 @@ pub(crate) struct Assign {
 impl Assign {
     /// `module` with its selected tensors taken from `flat`.
     pub(crate) fn module<M: Module>(module: M, select: Select, flat: Tensor<1>) -> M {
-        module.map(&mut Assign {
+        let mut assign = Assign {
             select,
             flat,
             offset: 0,
-        })
+        };
+        crate::fsdp::replicated(|| module.map(&mut assign))
     }
 }
 
@@ -296,7 +297,7 @@ pub fn broadcast_module<M: Module>(module: M, group: &ProcessGroup) -> Result<M>
 /// Every trainable parameter's `ParamId` (as `u64`), in visit order.
 pub(crate) fn param_ids<M: Module>(module: &M) -> Vec<u64> {
     let mut ids = Ids::default();
-    module.visit(&mut ids);
+    crate::fsdp::replicated(|| module.visit(&mut ids));
     ids.0
 }
 

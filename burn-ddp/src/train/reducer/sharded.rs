@@ -37,7 +37,7 @@ impl GradientReducer {
         };
         let started = Instant::now();
         let mut values = Values::default();
-        model.visit(&mut values);
+        crate::fsdp::replicated(|| model.visit(&mut values));
         let values = values.0;
         if values.len() != self.params.len() {
             return Err(DdpError::Disagreement(format!(
@@ -80,9 +80,11 @@ impl GradientReducer {
         }
         stats.gather += first_sent.map_or(0.0, |t| (received - t).as_secs_f64());
         let mut out = GradientsParams::new();
-        model.visit(&mut RegisterGradients {
-            grads: &mut out,
-            flat: shared.into_iter(),
+        crate::fsdp::replicated(|| {
+            model.visit(&mut RegisterGradients {
+                grads: &mut out,
+                flat: shared.into_iter(),
+            })
         });
         if let Some(trace) = trace {
             let span = Span::named("share parameters");

@@ -76,7 +76,7 @@ impl GradientReducer {
         // The step's figures are the learner's: a hand-written loop measures its own.
         let mut stats = StepStats::default();
         Ok(match self.share_updates(&model, None, &mut stats)? {
-            Some(values) => model.map(&mut TakeValues(values)),
+            Some(values) => crate::fsdp::replicated(|| model.map(&mut TakeValues(values))),
             None => model,
         })
     }

@@ -77,6 +77,8 @@ where
         start: Position,
     ) -> Result<()> {
         let status = self.strategy.group.status();
+        self.strategy
+            .refuse_uneven_blocks(&learner.model(), &plan)?;
         for epoch in start.epoch..=self.num_epochs {
             let from = if epoch == start.epoch {
                 start

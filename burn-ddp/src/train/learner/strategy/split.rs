@@ -5,6 +5,7 @@
 use std::sync::Arc;
 
 use burn::data::dataloader::{DataLoader, DataLoaderIterator, Progress};
+use burn::module::Module;
 use burn::optim::lr_scheduler::module_lr_scheduler::ModuleLearningRate;
 use burn::tensor::Device;
 use burn::train::{EventProcessorError, Interrupter, LearnerEvent, TrainingItem};
@@ -13,6 +14,7 @@ use crate::collectives::ReduceOp;
 use crate::error::{DdpError, Result};
 use crate::train::learner::stop::{StepVote, Stop, Voters};
 use crate::train::learner::strategy::DdpStrategy;
+use crate::train::learner::strategy::loader_shards::Plan;
 use crate::train::learner::strategy::step::{Batch, StepResult};
 use crate::train::report::metrics::{GlobalItem, PendingItem};
 use crate::wire::Writer;
@@ -74,6 +76,39 @@ impl DdpStrategy {
         let said = self.group.all_gather_object(mine)?;
         let per_rank = said.decode_each("an item count", |r| r.u64().map(|n| n as usize))?;
         Ok(SplitItems(per_rank))
+    }
+
+    /// Refuses a model with wrapped blocks ([`crate::fsdp`]) when the ranks hold different
+    /// numbers of training or validation items: a rank without a batch in a step would skip
+    /// the blocks' gathers the others wait in (PyTorch's `Join` has the same limit with FSDP).
+    pub(super) fn refuse_uneven_blocks<M: Module, T, V>(
+        &self,
+        model: &M,
+        plan: &Plan<T, V>,
+    ) -> Result<()> {
+        let Some(block) = crate::fsdp::first_block(model) else {
+            return Ok(());
+        };
+        let splits = [
+            ("training", self.split_items(&plan.train.loader)?),
+            ("validation", self.split_items(&plan.valid.loader)?),
+        ];
+        for (split, items) in splits {
+            if items.uneven() {
+                return Err(DdpError::Fsdp {
+                    rank: self.group.rank(),
+                    block,
+                    reason: format!(
+                        "the ranks hold different numbers of {split} items ({:?}), so of \
+                         {split} batches, and a rank without a batch would skip the gathers \
+                         the others wait in: give every rank as many (a padding \
+                         DistributedSampler)",
+                        items.0
+                    ),
+                });
+            }
+        }
+        Ok(())
     }
 
     /// Whether this rank has a batch in this step, told to every rank with the job's items

@@ -38,8 +38,12 @@ pub(super) struct TrainEpoch<'a, M: LearnerModel> {
     /// forward pass (PyTorch's timing), so their broadcast travels during the optimizer step
     /// and the loading of the next batch.
     buffers: Option<PendingBuffers>,
-    /// Forward and backward time since the last optimizer step (accumulated micro-steps).
+    /// Forward and backward time since the last optimizer step (accumulated micro-steps),
+    /// less `exposed`.
     compute: f64,
+    /// Of that time, the wait inside wrapped blocks ([`crate::fsdp`]) for their gathers and
+    /// reductions: exposed communication.
+    exposed: f64,
 }
 
 impl<'a, M> TrainEpoch<'a, M>
@@ -65,6 +69,7 @@ where
             micro: 0,
             buffers: None,
             compute: 0.0,
+            exposed: 0.0,
         }
     }
 
@@ -110,10 +115,12 @@ where
         let end = matches!(batch, Batch::End);
         let (item, grads) = match batch {
             Batch::Item(item) => {
-                let started = Instant::now();
+                let (started, blocks) = (Instant::now(), crate::fsdp::stats());
                 let out = learner.train_step(item);
                 let done = Instant::now();
-                self.compute += (done - started).as_secs_f64();
+                let waited = (crate::fsdp::stats() - blocks).exposed.as_secs_f64();
+                self.exposed += waited;
+                self.compute += ((done - started).as_secs_f64() - waited).max(0.0);
                 if let Some(trace) = self.strategy.trace.as_deref() {
                     trace.span(Span::named("forward+backward"), COMPUTE, started, done);
                 }
@@ -182,6 +189,7 @@ where
         let at = (self.from.epoch, iteration);
         let (grads, mut stats) = strategy.reducer.reduce_traced(&model, grads, at, trace)?;
         stats.compute = std::mem::take(&mut self.compute);
+        stats.exposed += std::mem::take(&mut self.exposed);
         self.buffers = strategy.buffers.start_step(&model);
         let stepping = Instant::now();
         learner.lr_step();
