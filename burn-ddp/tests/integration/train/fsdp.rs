@@ -25,8 +25,8 @@ use burn::train::{
 use burn_ddp::ProcessGroup;
 use burn_ddp::fsdp::{self, Fsdp, FsdpConfig, ShardingStrategy};
 use burn_ddp::train::{
-    DdpLearner, DdpTraining, DistributedSampler, JobStats, NonFinite, ProgressOutput,
-    QuietRenderer, Sharding, Telemetry, parameters_to_vector,
+    CheckpointConfig, DdpLearner, DdpTraining, DistributedSampler, JobStats, NonFinite,
+    ProgressOutput, QuietRenderer, Sharding, Telemetry, parameters_to_vector,
 };
 
 use super::model::{DATA, Points, flex};
@@ -471,6 +471,33 @@ fn ranks_with_different_numbers_of_batches_are_refused() {
         let e = r.as_ref().expect_err("training should be refused");
         assert!(
             e.contains("fsdp") && e.contains("validation batches"),
+            "rank {rank}: {e}"
+        );
+    }
+}
+
+/// DdpLearner's checkpoints of a model with wrapped blocks are refused on every rank before
+/// training, naming the rank and the block (they would hold rank 0's shards only).
+#[test]
+fn checkpoints_of_wrapped_blocks_are_refused_naming_the_block() {
+    let device = flex();
+    let dir = std::env::temp_dir().join(format!("fsdp-checkpoints-{}", std::process::id()));
+    let results = train_ranks(
+        (2, 1, (DATA, DATA / 2)),
+        |group| {
+            let model = FsdpNet::new(group, ShardingStrategy::FullShard, 1, &device);
+            DdpLearner::with_group(group.clone(), model, optimizer(Optim::AdamW), LR)
+                .checkpoints(CheckpointConfig::new(dir.join(group.rank().to_string())))
+        },
+        |_, _| (),
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+    for (rank, r) in results.iter().enumerate() {
+        let e = r.as_ref().expect_err("checkpoints should be refused");
+        assert!(
+            e.contains(&format!("rank {rank}: fsdp wrapped"))
+                && e.contains("DdpLearner::checkpoints")
+                && e.contains("fsdp::full_record"),
             "rank {rank}: {e}"
         );
     }

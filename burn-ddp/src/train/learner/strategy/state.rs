@@ -1,6 +1,7 @@
 //! The training state on disk: checkpoints written (by rank 0, agreed by all), the resume at
 //! start, and the checkpoint and error of a stop by signal.
 
+use burn::module::Module;
 use burn::train::metric::store::EventStoreClient;
 use burn::train::{Learner, LearnerModel};
 
@@ -10,6 +11,35 @@ use crate::train::learner::checkpoint::{self, Position, Snapshot};
 use crate::train::learner::strategy::DdpStrategy;
 
 impl DdpStrategy {
+    /// Refuses checkpoints (burn-ddp's or burn-train's) of a model with wrapped blocks
+    /// ([`crate::fsdp`]): each rank holds another shard of their parameters and optimizer state,
+    /// which neither writes yet. `fsdp::full_record` saves the whole model instead.
+    pub(super) fn refuse_checkpoints_of_blocks<M: Module>(
+        &self,
+        model: &M,
+        burn_checkpointer: bool,
+    ) -> Result<()> {
+        let Some(block) = crate::fsdp::first_block(model) else {
+            return Ok(());
+        };
+        let which = match (self.checkpoints.is_some(), burn_checkpointer) {
+            (true, _) => "DdpLearner::checkpoints",
+            (false, true) => "burn-train's own checkpointer",
+            (false, false) => return Ok(()),
+        };
+        Err(DdpError::Fsdp {
+            rank: self.group.rank(),
+            block,
+            reason: format!(
+                "{which} is set, but checkpoints of a model with wrapped blocks are not written \
+                 yet (each rank holds another shard of their parameters and optimizer state): \
+                 remove it, and save the whole model with burn_ddp::fsdp::full_record (rank 0 \
+                 gets the unwrapped model's record; load it at any world size with \
+                 fsdp::load_full_record)"
+            ),
+        })
+    }
+
     /// Writes a checkpoint (rank 0) at `at`; every rank learns whether it worked.
     pub(super) fn checkpoint<M: LearnerModel>(
         &self,
