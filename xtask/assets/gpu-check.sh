@@ -371,6 +371,10 @@ checked 2 bw 60 bandwidth "bucket all-reduce bandwidth, world 2"
 # 5. SyncBatchNorm at world 2 against BatchNorm on the whole batch.
 checked 2 bn 60 syncbn "SyncBatchNorm world 2 ($ranks)"
 
+# 5b. Fully sharded layers (each strategy) at world 2: one SGD step on each rank's half of a
+# batch against the unwrapped layers' step on the whole batch.
+checked 2 fsdp 60 fsdp "fsdp world 2 ($ranks)"
+
 # 6. The f32 matmul's error against the host's exact product, measured in one process: burn
 # 0.22's CUDA matmul rounds f32 inputs to TF32 on tensor cores (no switch turns that off), so
 # the limits of the comparisons below that run different batch shapes are set from it.

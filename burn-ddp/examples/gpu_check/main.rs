@@ -12,6 +12,9 @@
 //!   that held an earlier result would let a collective that wrote nothing pass.
 //! - `syncbn` (`syncbn.rs`): `SyncBatchNorm` forward and backward on each rank's half of a batch
 //!   against burn's `BatchNorm` on the whole batch (relative error at most 1e-5).
+//! - `fsdp` (`fsdp.rs`): two linear layers wrapped in `Fsdp`, each strategy, one SGD step on
+//!   each rank's rows against the unwrapped layers' step on the whole batch (the gathers and
+//!   reduce-scatters inside forward and backward, through NCCL).
 //! - `die` (`checks.rs`): rank 1 exits (0.5 s in) while rank 0 waits in an all-reduce; rank 0
 //!   must fail within 10 s, and the group's failure record must name rank 1 as the culprit.
 //! - `bandwidth` (`checks.rs`): 8 buckets of 32 MiB all-reduced in flight through the process
@@ -30,6 +33,7 @@
 
 mod checks;
 mod collectives;
+mod fsdp;
 mod syncbn;
 mod verdict;
 
@@ -61,6 +65,9 @@ enum Check {
     },
     /// SyncBatchNorm on halves of a batch against BatchNorm on the whole batch
     Syncbn,
+    /// Wrapped layers (each fsdp strategy) stepped on halves of a batch against the unwrapped
+    /// layers on the whole batch
+    Fsdp,
     /// Rank 1 dies while rank 0 waits in an all-reduce; rank 0 must record it as the culprit
     Die,
     /// Bucket all-reduce bandwidth against a device copy, results checked
@@ -90,6 +97,7 @@ fn in_group(check: Check, gpu: Option<usize>) -> Result<usize> {
     let failed = match check {
         Check::Collectives { sizes } => collectives::collectives(&group, &device, &sizes)?,
         Check::Syncbn => syncbn::syncbn(&group, &device)?,
+        Check::Fsdp => fsdp::fsdp(&group, &device)?,
         Check::Die => checks::die(&group, &device)?,
         Check::Bandwidth => checks::bandwidth(&group, &device)?,
         Check::Precision => checks::precision(&device)?,
