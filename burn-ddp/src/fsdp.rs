@@ -198,7 +198,7 @@ impl FsdpConfig {
             true => flat::piece(flat, rank * shard_len, shard_len, &device),
             false => flat,
         };
-        let shard = flat::on_device(shard, &device);
+        let shard = crate::collectives::backend::slices::on_device(shard, &device);
         let shard = match layout.trainable && device.is_autodiff() {
             true => shard.require_grad(),
             false => shard,
@@ -402,7 +402,7 @@ impl<M: Module> Fsdp<M> {
     pub fn gathered(&self) -> Result<M> {
         let work = gather::start(&self.shared, self.shard.val().inner());
         let full = work.wait()?;
-        let full = flat::on_device(full, &self.shard.val().device());
+        let full = crate::collectives::backend::slices::on_device(full, &self.shard.val().device());
         Ok(self.template.fill(&self.shared.layout, full))
     }
 }

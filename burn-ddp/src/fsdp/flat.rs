@@ -165,15 +165,6 @@ pub(crate) fn piece(flat: Tensor<1>, start: usize, len: usize, device: &Device) 
     }
 }
 
-/// `inner` (no autodiff) on `device`: with autodiff and its checkpointing strategy when the
-/// device has them.
-pub(crate) fn on_device(inner: Tensor<1>, device: &Device) -> Tensor<1> {
-    match device.gradient_checkpointing_strategy() {
-        Some(strategy) => Tensor::from_inner(inner).with_gradient_checkpointing_strategy(strategy),
-        None => inner,
-    }
-}
-
 /// A block whose float parameters hold empty tensors (their ids and ranks kept): the shape of
 /// the module, without its values.
 #[derive(Clone, Debug)]

@@ -55,7 +55,7 @@ pub(super) fn attach(
     if !device.is_autodiff() {
         return full;
     }
-    let full = super::flat::on_device(full, &device);
+    let full = crate::collectives::backend::slices::on_device(full, &device);
     let anchor = anchor.unwrap_or_else(|| Tensor::<1>::zeros([1], &device).into_dispatch());
     Tensor::from_dispatch(<burn::backend::Dispatch as FsdpBackend>::fsdp_gather(
         shard.into_dispatch(),

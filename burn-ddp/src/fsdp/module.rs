@@ -176,7 +176,10 @@ impl<M: Module> Fsdp<M> {
         };
         let current = self.shard.val();
         let device = current.device();
-        let piece = flat::on_device(piece.to_device(&device.clone().inner()), &device);
+        let piece = crate::collectives::backend::slices::on_device(
+            piece.to_device(&device.clone().inner()),
+            &device,
+        );
         let piece = match current.is_require_grad() {
             true => piece.require_grad(),
             false => piece,

@@ -1,6 +1,7 @@
 //! Cutting and joining flat tensors without burn 0.22's panics: `Tensor::narrow` refuses a
 //! length of 0 (burn-tensor `check.rs`), so every cut that can be empty (a rank's empty part, a
-//! tensor of no elements) goes through [`cut`], and every join through [`concat`].
+//! tensor of no elements) goes through [`cut`], and every join through [`concat`]. And a value
+//! made without autodiff put back where a parameter lives ([`on_device`]).
 
 use burn::tensor::{DType, Device, Tensor, TensorData};
 
@@ -32,4 +33,14 @@ pub(crate) fn concat(tensors: Vec<Tensor<1>>, device: &Device, dtype: DType) -> 
 pub(crate) fn empty(device: &Device, dtype: DType) -> Tensor<1> {
     let data = TensorData::from_bytes_vec(Vec::new(), [0], dtype);
     Tensor::from_data(data, (device, dtype))
+}
+
+/// `inner` (a value without autodiff) on `device`: with autodiff and the device's gradient
+/// checkpointing strategy when it has them (`Tensor::autodiff` alone would reset the strategy,
+/// and burn refuses operations that mix strategies).
+pub(crate) fn on_device<const D: usize>(inner: Tensor<D>, device: &Device) -> Tensor<D> {
+    match device.gradient_checkpointing_strategy() {
+        Some(strategy) => Tensor::from_inner(inner).with_gradient_checkpointing_strategy(strategy),
+        None => inner,
+    }
 }

@@ -173,9 +173,8 @@ where
         // burn-train's checkpointer would save rank 0's share only of a sharded optimizer.
         let sharded = self.reducer.shards();
         let burn_checkpointer = components.checkpointer.is_some();
-        let refused = refuse_in_sharded_run(&self.group, sharded, burn_checkpointer).and_then(
-            |()| self.refuse_checkpoints_of_blocks(&learner.model(), burn_checkpointer),
-        );
+        let refused = refuse_in_sharded_run(&self.group, sharded, burn_checkpointer)
+            .and_then(|()| self.refuse_checkpoints_of_blocks(&learner.model(), burn_checkpointer));
         // A checkpoint of this run, if configured and present, decides where training goes on.
         let start = refused.and_then(|()| self.resume(&mut learner).map(|p| p.unwrap_or(fresh)));
         let summary_config = components.summary.clone();

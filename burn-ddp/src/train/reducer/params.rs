@@ -8,7 +8,7 @@ use burn::module::{Module, ModuleMapper, ModuleVisitor, Param};
 use burn::tensor::{DType, Tensor};
 
 use crate::ProcessGroup;
-use crate::collectives::backend::slices::cut;
+use crate::collectives::backend::slices::{cut, on_device};
 use crate::error::{DdpError, Result};
 use crate::wire::Writer;
 
@@ -243,13 +243,8 @@ impl ModuleMapper for Assign {
             let values = cut(&self.flat, self.offset, n);
             self.offset += n;
             let values = values.reshape(dims).cast(dtype);
-            // Back on the autodiff flavour of the device when the parameter was there.
-            let values = if device.is_autodiff() {
-                values.autodiff()
-            } else {
-                values
-            };
-            values.set_require_grad(grad)
+            // Back where the parameter was (autodiff, its checkpointing strategy).
+            on_device(values, &device).set_require_grad(grad)
         })
     }
 }

@@ -7,6 +7,7 @@ use burn::module::{Module, ModuleMapper, Param};
 use burn::optim::GradientsParams;
 use burn::tensor::Tensor;
 
+use crate::collectives::backend::slices::on_device;
 use crate::error::Result;
 use crate::train::reducer::GradientReducer;
 use crate::train::report::telemetry::StepStats;
@@ -98,13 +99,8 @@ impl ModuleMapper for TakeValues {
             } else {
                 value.cast(dtype)
             };
-            // Back on the autodiff flavour of the device when the parameter was there.
-            let value = if t.device().is_autodiff() {
-                value.autodiff()
-            } else {
-                value
-            };
-            value.set_require_grad(grad)
+            // Back where the parameter was (autodiff, its checkpointing strategy).
+            on_device(value.inner(), &t.device()).set_require_grad(grad)
         })
     }
 }

@@ -303,7 +303,12 @@ struct Wrapped {
 /// Every rank's network after 3 epochs of DdpLearner on the network with its hidden layers
 /// wrapped with `strategy`, the optimizer sharded as `zero` says.
 fn wrapped(world: usize, o: Optim, strategy: ShardingStrategy, zero: Sharding) -> Vec<Wrapped> {
-    let device = flex();
+    // FullShard as users run it: on a device with gradient checkpointing (the gathered blocks
+    // dropped after forward), which the replicated layer, broadcast at start, must keep.
+    let device = match strategy {
+        ShardingStrategy::FullShard => flex().gradient_checkpointing(),
+        _ => flex(),
+    };
     let results = train_ranks(
         (world, 3, (DATA, DATA / 2)),
         |group| {
