@@ -10,6 +10,13 @@
 //! Dropout draws from the device's random state, which burn seeds per process: each rank seeds
 //! it from the job seed and its rank ([`rank_seed`]), as PyTorch users must do by hand, so that
 //! the ranks draw different masks.
+//!
+//! With `--fsdp full|grad-op|none` ([`LmConfig::fsdp`]) each block is wrapped in burn-ddp's
+//! `Fsdp` before training ([`CharLm::shard`], in the `wrap` submodule): the blocks' parameters,
+//! gradients and optimizer state are sharded over the ranks, the embeddings, the final norm and
+//! the head stay replicated under `DdpLearner`.
+
+mod wrap;
 
 use std::sync::Arc;
 
@@ -20,7 +27,7 @@ use burn::module::Module;
 use burn::nn::attention::generate_autoregressive_mask;
 use burn::nn::loss::CrossEntropyLossConfig;
 use burn::nn::transformer::{
-    TransformerEncoder, TransformerEncoderConfig, TransformerEncoderInput,
+    TransformerEncoder, TransformerEncoderConfig, TransformerEncoderInput, TransformerEncoderLayer,
 };
 use burn::nn::{Embedding, EmbeddingConfig, LayerNorm, LayerNormConfig, Linear, LinearConfig};
 use burn::optim::AdamWConfig;
@@ -30,6 +37,7 @@ use burn::optim::lr_scheduler::noam::NoamLrSchedulerConfig;
 use burn::tensor::{Device, Int, Tensor, TensorData};
 use burn::train::{ClassificationOutput, InferenceStep, TrainOutput, TrainStep};
 use burn_ddp::ProcessGroup;
+use burn_ddp::fsdp::{Fsdp, ShardingStrategy};
 use burn_ddp::train::{Compression, DdpLearner};
 
 use crate::model::percent_correct;
@@ -61,7 +69,9 @@ pub struct LmConfig {
     pub lr: f64,
     /// Warm-up steps of the learning-rate schedule.
     pub warmup: usize,
-    /// Largest gradient norm (clipping).
+    /// Largest gradient norm (clipping), per parameter tensor as burn clips. With [`Self::fsdp`]
+    /// the largest gradient element instead (clipping by value): a wrapped block is one flat
+    /// tensor to the optimizer, this rank's piece of it, whose norm means nothing to the block.
     pub clip: f32,
     /// Job seed (initialisation, shuffling; dropout with the rank).
     pub seed: u64,
@@ -79,6 +89,10 @@ pub struct LmConfig {
     pub max_sequences: Option<usize>,
     /// How the optimizer's work is sharded across the ranks.
     pub shard: crate::ShardFlag,
+    /// Wrap every transformer block in burn-ddp's `Fsdp` with this strategy (`--fsdp`); `None`:
+    /// plain data parallelism. `FullShard` trains on a device with gradient checkpointing, so
+    /// that burn drops each gathered block after its forward pass.
+    pub fsdp: Option<ShardingStrategy>,
 }
 
 impl Default for LmConfig {
@@ -102,6 +116,7 @@ impl Default for LmConfig {
             artifacts: std::env::temp_dir().join("burn-ddp-charlm"),
             max_sequences: None,
             shard: crate::ShardFlag::None,
+            fsdp: None,
         }
     }
 }
@@ -144,6 +159,11 @@ impl Sequences {
             Sequences(Arc::new(all[cut..].to_vec())),
         )
     }
+
+    /// The first `n` sequences.
+    fn first(&self, n: usize) -> Self {
+        Sequences(Arc::new(self.0.iter().take(n).cloned().collect()))
+    }
 }
 
 impl Dataset<Vec<i64>> for Sequences {
@@ -184,12 +204,15 @@ impl Batcher<Vec<i64>, LmBatch> for LmBatcher {
     }
 }
 
-/// The decoder-only transformer.
+/// The decoder-only transformer. Its blocks are either all in `blocks` (unwrapped) or all in
+/// `sharded` (wrapped by [`CharLm::shard`]): `blocks` keeps no layer then, so that the unwrapped
+/// model's parameters (and record) are those of burn's `TransformerEncoder`, in the same order.
 #[derive(Module, Debug)]
 pub struct CharLm {
     tokens: Embedding,
     positions: Embedding,
     blocks: TransformerEncoder,
+    sharded: Vec<Fsdp<TransformerEncoderLayer>>,
     norm: LayerNorm,
     head: Linear,
 }
@@ -206,6 +229,7 @@ impl CharLm {
                 .with_dropout(cfg.dropout)
                 .with_norm_first(true)
                 .init(device),
+            sharded: Vec::new(),
             norm: LayerNormConfig::new(d).init(device),
             head: LinearConfig::new(d, vocab).init(device),
         }
@@ -222,7 +246,11 @@ impl CharLm {
         let mask = generate_autoregressive_mask(b, t, &device);
         let h = self
             .blocks
-            .forward(TransformerEncoderInput::new(x).mask_attn(mask));
+            .forward(TransformerEncoderInput::new(x).mask_attn(mask.clone()));
+        // The wrapped blocks, each gathered just before it runs (the next one's gather meanwhile).
+        let h = burn_ddp::fsdp::forward_chain(&self.sharded, h, |block, x| {
+            block.forward(x, None, Some(mask.clone()))
+        });
         let logits = self.head.forward(self.norm.forward(h));
         let vocab = logits.dims()[2];
         let logits = logits.reshape([b * t, vocab]);
@@ -286,18 +314,30 @@ fn schedule(cfg: &LmConfig) -> Result<ModuleLrScheduler> {
         .map_err(anyhow::Error::msg)
 }
 
-/// Trains `model` (every rank's is replaced by rank 0's at the start) in `group`.
+/// Trains `model` (every rank's is replaced by rank 0's at the start) in `group`, its blocks
+/// wrapped first with `cfg.fsdp`. The report's parameters are the whole model's, gathered from
+/// the ranks when its blocks were wrapped.
 pub fn train_model(group: Arc<ProcessGroup>, cfg: &LmConfig, model: CharLm) -> Result<Report> {
-    let device = device();
+    let device = wrap::training_device(cfg.fsdp);
     // Dropout from this rank's own seed (initialisation and shuffling use the job seed).
     device.seed(rank_seed(cfg.seed, group.rank()));
-    let (mut train_data, valid_data) = Sequences::splits(cfg.seq_len);
+    let model = wrap::wrapped(model, cfg.fsdp, &group, &device)?;
+    let (mut train_data, mut valid_data) = Sequences::splits(cfg.seq_len);
     if let Some(n) = cfg.max_sequences {
-        train_data = Sequences(Arc::new(train_data.0.iter().take(n).cloned().collect()));
+        train_data = train_data.first(n);
+    }
+    if cfg.fsdp.is_some() {
+        // Every validation batch gathers the wrapped blocks, a collective: every rank validates
+        // as many sequences (the split's last world - 1 at most are left out).
+        let world = group.world_size();
+        valid_data = valid_data.first(valid_data.len() / world * world);
     }
     let optim = AdamWConfig::new()
         .with_weight_decay(0.01)
-        .with_grad_clipping(Some(GradientClippingConfig::Norm(cfg.clip)))
+        .with_grad_clipping(Some(match cfg.fsdp {
+            Some(_) => GradientClippingConfig::Value(cfg.clip),
+            None => GradientClippingConfig::Norm(cfg.clip),
+        }))
         .init();
     let learning = Learning {
         model,
@@ -332,9 +372,22 @@ pub fn train_model(group: Arc<ProcessGroup>, cfg: &LmConfig, model: CharLm) -> R
         (training, learner)
     };
     let data = (LmBatcher, (train_data, valid_data));
-    timed_run(&group, &settings, data, learning, settings_of, |model| {
-        Ok(accuracy(model, cfg))
-    })
+    let before = burn_ddp::fsdp::stats();
+    let (mut spent, mut whole) = (None, None);
+    let mut report = timed_run(&group, &settings, data, learning, settings_of, |model| {
+        spent = Some(burn_ddp::fsdp::stats() - before);
+        // The whole model (a collective when its blocks are wrapped): accuracy and parameters.
+        let gathered = model.gathered()?;
+        whole = Some(burn_ddp::train::parameters_to_vector(&gathered));
+        Ok(accuracy(&gathered, cfg))
+    })?;
+    if let Some(params) = whole {
+        report.params = params;
+    }
+    if let (Some(strategy), Some(spent)) = (cfg.fsdp, spent) {
+        wrap::print_stats(&group, strategy, spent, report.steps);
+    }
+    Ok(report)
 }
 
 #[cfg(test)]

@@ -1,10 +1,14 @@
 //! The transformer trained data-parallel (ranks as threads over loopback) equals one process
-//! with the global batch: world 2 with batch b against world 1 with batch 2b, dropout off.
+//! with the global batch: world 2 with batch b against world 1 with batch 2b, dropout off. And
+//! its blocks wrapped in burn-ddp's `Fsdp` (`--fsdp`): the flag, runs of the program alone with
+//! each strategy, the same training as the unwrapped model alone, and a wrapped model gathered
+//! back into the one it was made from.
 
 use std::sync::Arc;
 
 use burn::module::Module;
 use burn_ddp::ProcessGroup;
+use burn_ddp::fsdp::ShardingStrategy;
 use burn_ddp::store::StoreServer;
 use quickstart::charlm::{CharLm, LmConfig, device, train_model};
 
@@ -199,4 +203,212 @@ fn the_fsdp_flag_takes_full_grad_op_or_none_and_refuses_anything_else() {
             assert!(ran.stdout.contains(said), "{said:?} missing: {ran}");
         }
     }
+}
+
+/// The small transformer of the fsdp tests: two blocks (so that one block's gather is
+/// prefetched while the other computes), dropout off, and clipping out of reach (burn clips each
+/// parameter tensor's gradient on its own, and a wrapped block is one tensor to the optimizer).
+fn two_blocks(name: &str, fsdp: Option<ShardingStrategy>) -> LmConfig {
+    LmConfig {
+        epochs: 1,
+        batch_size: 8,
+        seq_len: 16,
+        d_model: 32,
+        heads: 2,
+        layers: 2,
+        dropout: 0.0,
+        warmup: 4,
+        clip: 1e9,
+        quiet: true,
+        max_sequences: Some(48),
+        fsdp,
+        artifacts: std::env::temp_dir().join(format!("charlm-{name}-{}", std::process::id())),
+        ..LmConfig::default()
+    }
+}
+
+#[test]
+fn world_1_with_each_fsdp_strategy_ends_where_the_unwrapped_model_does() {
+    let unwrapped = two_blocks("unwrapped", None);
+    let device = device();
+    device.seed(unwrapped.seed);
+    let model = CharLm::init(&device, &unwrapped).materialize();
+    let reference = world(1, &unwrapped, &model).remove(0);
+    let initial = burn_ddp::train::parameters_to_vector(&model);
+    assert!(
+        relative_error(&reference, &initial) > 1e-3,
+        "training did not move the parameters"
+    );
+    for strategy in [
+        ShardingStrategy::FullShard,
+        ShardingStrategy::ShardGradOp,
+        ShardingStrategy::NoShard,
+    ] {
+        let cfg = two_blocks(strategy.name(), Some(strategy));
+        let trained = world(1, &cfg, &model).remove(0);
+        assert_eq!(
+            trained.len(),
+            reference.len(),
+            "{strategy:?}: not the whole model"
+        );
+        let error = relative_error(&trained, &reference);
+        eprintln!(
+            "fsdp {} against unwrapped, alone: relative error {error:.2e}",
+            strategy.name()
+        );
+        assert!(error <= 1e-6, "{strategy:?}: relative error {error:.2e}");
+        let _ = std::fs::remove_dir_all(&cfg.artifacts);
+    }
+    let _ = std::fs::remove_dir_all(&unwrapped.artifacts);
+}
+
+#[test]
+fn a_wrapped_model_gathers_back_into_the_model_it_was_made_from_on_every_rank() {
+    let cfg = two_blocks("gather", None);
+    let device = device();
+    device.seed(cfg.seed);
+    let model = CharLm::init(&device, &cfg).materialize();
+    let original = burn_ddp::train::parameters_to_vector(&model);
+    for strategy in [
+        ShardingStrategy::FullShard,
+        ShardingStrategy::ShardGradOp,
+        ShardingStrategy::NoShard,
+    ] {
+        let server = StoreServer::bind("127.0.0.1:0").unwrap();
+        let port = server.local_addr().port();
+        std::thread::scope(|s| {
+            let ranks: Vec<_> = (0..2)
+                .map(|rank| {
+                    let model = model.clone();
+                    s.spawn(move || {
+                        let group = ProcessGroup::builder(rank, 2)
+                            .master_addr("127.0.0.1")
+                            .master_port(port)
+                            .host_store(false)
+                            .build()
+                            .unwrap();
+                        let group = Arc::new(group);
+                        let sharded = model.shard(strategy, &group).unwrap();
+                        assert_eq!(sharded.sharding(), Some(strategy));
+                        let held = burn_ddp::train::parameters_to_vector(&sharded).len();
+                        let twice = sharded.clone().shard(strategy, &group).unwrap_err();
+                        assert!(
+                            format!("{twice:#}").contains("already wrapped"),
+                            "{twice:#}"
+                        );
+                        let back = sharded.gathered().unwrap();
+                        assert_eq!(back.sharding(), None);
+                        (held, burn_ddp::train::parameters_to_vector(&back))
+                    })
+                })
+                .collect();
+            for (rank, r) in ranks.into_iter().enumerate() {
+                let (held, back) = r.join().unwrap();
+                assert_eq!(
+                    back, original,
+                    "{strategy:?}, rank {rank}: gathered differs"
+                );
+                match strategy {
+                    ShardingStrategy::NoShard => assert_eq!(held, original.len()),
+                    _ => assert!(
+                        held < original.len(),
+                        "{strategy:?}: rank {rank} holds {held}"
+                    ),
+                }
+            }
+        });
+    }
+}
+
+/// Trains `model` with `cfg` on each rank of a world of `n`: every rank's final parameters and
+/// the gathers its wrapped blocks started (`burn_ddp::fsdp::stats`, on the rank's thread).
+fn world_counting_gathers(n: usize, cfg: &LmConfig, model: &CharLm) -> Vec<(Vec<f32>, u64)> {
+    let server = StoreServer::bind("127.0.0.1:0").unwrap();
+    let port = server.local_addr().port();
+    std::thread::scope(|s| {
+        let ranks: Vec<_> = (0..n)
+            .map(|rank| {
+                s.spawn(move || {
+                    let group = ProcessGroup::builder(rank, n)
+                        .master_addr("127.0.0.1")
+                        .master_port(port)
+                        .host_store(false)
+                        .build()
+                        .unwrap();
+                    let before = burn_ddp::fsdp::stats();
+                    let report = train_model(Arc::new(group), cfg, model.clone()).unwrap();
+                    (report.params, (burn_ddp::fsdp::stats() - before).gathers)
+                })
+            })
+            .collect();
+        ranks.into_iter().map(|r| r.join().unwrap()).collect()
+    })
+}
+
+/// [`two_blocks`] at world 2: 4 sequences per rank, so 6 steps of 8 sequences, as world 1.
+fn two_ranks(name: &str, fsdp: Option<ShardingStrategy>) -> LmConfig {
+    LmConfig {
+        batch_size: 4,
+        ..two_blocks(name, fsdp)
+    }
+}
+
+/// Optimizer steps of [`two_ranks`]: 48 sequences, 2 ranks of 4.
+const TWO_RANK_STEPS: u64 = 6;
+
+/// Trains the unwrapped model and then each of `strategies` at world 2; checks that every rank
+/// of every strategy ends within 1e-6 of the unwrapped model and that the replicas agree, and
+/// returns rank 0's gathers per strategy.
+fn world_2_against_unwrapped(name: &str, strategies: &[ShardingStrategy]) -> Vec<u64> {
+    let unwrapped = two_ranks(&format!("{name}-unwrapped"), None);
+    let device = device();
+    device.seed(unwrapped.seed);
+    let model = CharLm::init(&device, &unwrapped).materialize();
+    let reference = world(2, &unwrapped, &model).remove(0);
+    let _ = std::fs::remove_dir_all(&unwrapped.artifacts);
+    let mut gathers = Vec::new();
+    for &strategy in strategies {
+        let cfg = two_ranks(&format!("{name}-{}", strategy.name()), Some(strategy));
+        let ranks = world_counting_gathers(2, &cfg, &model);
+        let _ = std::fs::remove_dir_all(&cfg.artifacts);
+        for (rank, (params, _)) in ranks.iter().enumerate() {
+            let error = relative_error(params, &reference);
+            eprintln!(
+                "world 2, fsdp {} against unwrapped, rank {rank}: relative error {error:.2e}",
+                strategy.name()
+            );
+            assert!(
+                error <= 1e-6,
+                "{strategy:?}, rank {rank}: relative error {error:.2e}"
+            );
+        }
+        assert_eq!(ranks[0].0, ranks[1].0, "{strategy:?}: the replicas differ");
+        gathers.push(ranks[0].1);
+    }
+    gathers
+}
+
+#[test]
+fn world_2_with_grad_op_or_none_ends_where_the_unwrapped_model_does() {
+    let strategies = [ShardingStrategy::ShardGradOp, ShardingStrategy::NoShard];
+    let gathers = world_2_against_unwrapped("w2", &strategies);
+    // Validation gathers too (the same batches under every strategy): grad-op's training
+    // gathers are 2 blocks a step, none never gathers.
+    assert!(gathers[0] >= TWO_RANK_STEPS * 2, "grad-op: {gathers:?}");
+    assert_eq!(gathers[1], 0, "fsdp none gathered");
+}
+
+#[test]
+fn world_2_full_shard_gathers_each_block_again_in_backward_and_ends_where_unwrapped_does() {
+    let strategies = [ShardingStrategy::FullShard, ShardingStrategy::ShardGradOp];
+    let gathers = world_2_against_unwrapped("w2-full", &strategies);
+    // `full` trains under gradient checkpointing: burn drops each gathered block after the
+    // forward pass, and each step's backward gathers its 2 blocks again.
+    assert_eq!(
+        gathers[0] - gathers[1],
+        TWO_RANK_STEPS * 2,
+        "gathers: full {}, grad-op {}",
+        gathers[0],
+        gathers[1]
+    );
 }

@@ -5,12 +5,17 @@
 //! ```text
 //! cargo run --release -p quickstart --bin charlm -- --epochs 1
 //! burn-ddp-run --nproc 2 target/release/charlm --epochs 1
+//! burn-ddp-run --nproc 2 target/release/charlm --epochs 1 --fsdp full
 //! ```
+//!
+//! `--fsdp full|grad-op|none` wraps each transformer block in burn-ddp's `Fsdp` (fully sharded
+//! data parallelism, `docs/guide/fsdp.md`); gradients are then clipped by value, not by norm.
 
 use std::path::PathBuf;
 
+use burn_ddp::fsdp::ShardingStrategy;
 use clap::Parser;
-use clap::builder::RangedU64ValueParser;
+use clap::builder::{PossibleValuesParser, RangedU64ValueParser, TypedValueParser};
 use quickstart::ShardFlag;
 use quickstart::charlm::{LmConfig, train};
 
@@ -76,10 +81,27 @@ struct Flags {
         conflicts_with = "plain"
     )]
     shard: ShardFlag,
+    /// Wrap each transformer block in burn-ddp's Fsdp: parameters, gradients and optimizer
+    /// state sharded (full: the gathered blocks dropped after forward, gradient checkpointing
+    /// on; grad-op: kept until backward), or none (whole blocks, reduced inside backward).
+    /// Gradients are then clipped by value instead of by norm
+    #[arg(long, value_name = "STRATEGY", conflicts_with = "plain", value_parser = strategy())]
+    fsdp: Option<ShardingStrategy>,
     /// Train on the text's first N sequences only (quick runs)
     #[arg(long, value_name = "N",
           value_parser = RangedU64ValueParser::<usize>::new().range(1..))]
     max_sequences: Option<usize>,
+}
+
+/// `full`, `grad-op` or `none`, as `ShardingStrategy::name` spells them.
+fn strategy() -> impl TypedValueParser<Value = ShardingStrategy> {
+    let names = [
+        ShardingStrategy::FullShard,
+        ShardingStrategy::ShardGradOp,
+        ShardingStrategy::NoShard,
+    ]
+    .map(ShardingStrategy::name);
+    PossibleValuesParser::new(names).map(|name| ShardingStrategy::parse(&name).unwrap_or_default())
 }
 
 fn probability(s: &str) -> Result<f64, String> {
@@ -115,6 +137,7 @@ fn run() -> anyhow::Result<()> {
         heads: f.heads,
         layers: f.layers,
         shard: f.shard,
+        fsdp: f.fsdp,
         ..LmConfig::default()
     };
     if !cfg.d_model.is_multiple_of(cfg.heads) {
