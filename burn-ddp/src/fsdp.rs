@@ -55,6 +55,7 @@
 mod flat;
 mod gather;
 mod module;
+mod piece;
 mod state;
 mod step;
 

@@ -202,7 +202,7 @@ impl<M: Module> Template<M> {
                 let shape = Shape::from(p.shape.clone());
                 let value = match p.numel() {
                     0 => Tensor::<D>::zeros(shape, (&self.full.device(), self.full.dtype())),
-                    n => self.full.clone().narrow(0, p.offset, n).reshape(shape),
+                    _ => super::piece::cut(&self.full, p.offset, shape),
                 };
                 Param::initialized(id, value)
             }

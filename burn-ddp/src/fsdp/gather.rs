@@ -1,6 +1,7 @@
 //! The gather of a wrapped block's parameters as a custom autodiff operation: forward gives the
-//! whole flat parameters (gathered from every rank's shard); backward starts the reduction of
-//! their gradient into the shard ([`super::step::backward`]).
+//! whole flat parameters (gathered from every rank's shard), which the block's parameters are
+//! cut from ([`super::piece`]); backward joins their gradients and starts the reduction into
+//! the shard ([`super::step::backward`]).
 //!
 //! Its parents are the shard and the block's input (the anchor), through which no gradient
 //! flows: burn orders backward by depth, and the anchor puts the operation at the block's
@@ -26,7 +27,7 @@ use burn::backend::tensor::FloatTensor;
 use burn::backend::{Backend, DispatchKindConversion, DispatchTensor, Flex, backend_extension};
 use burn::tensor::Tensor;
 
-use super::{ShardingStrategy, Shared, step};
+use super::{ShardingStrategy, Shared, piece, step};
 use crate::Work;
 
 /// Starts gathering the flat parameters from every rank's `shard` (no autodiff): the whole
@@ -55,6 +56,7 @@ pub(super) fn attach(
     if !device.is_autodiff() {
         return full;
     }
+    let len = full.dims()[0];
     let full = crate::collectives::backend::slices::on_device(full, &device);
     let anchor = anchor.unwrap_or_else(|| Tensor::<1>::zeros([1], &device).into_dispatch());
     Tensor::from_dispatch(<burn::backend::Dispatch as FsdpBackend>::fsdp_gather(
@@ -63,14 +65,16 @@ pub(super) fn attach(
         full.into_dispatch(),
         Call {
             shared: shared.clone(),
+            len,
         },
     ))
 }
 
-/// What the operation carries besides tensors: the block.
+/// What the operation carries besides tensors: the block, and the gathered vector's length.
 #[derive(Clone, Debug)]
 pub(super) struct Call {
     shared: Arc<Shared>,
+    len: usize,
 }
 
 /// The gather of a wrapped block's parameters, differentiated across the process group.
@@ -160,8 +164,9 @@ where
 
     fn backward(self, ops: Ops<Self::State, 2>, grads: &mut Gradients, _: &mut Checkpointer) {
         let [shard, _anchor] = ops.parents;
-        let grad = grads.consume::<B>(&ops.node);
-        let grad = Tensor::<1>::from_primitive::<B>(grad);
+        // The pieces' stand-in; their gradients wait in `piece`, joined here once.
+        let stand_in = Tensor::<1>::from_primitive::<B>(grads.consume::<B>(&ops.node));
+        let grad = piece::take(ops.node.id, ops.state.len, &stand_in);
         let shared = ops.state.shared;
         let ready =
             step::backward(&shared, shard.map(|n| n.id), grad).unwrap_or_else(|e| panic!("{e}"));
