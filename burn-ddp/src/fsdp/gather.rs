@@ -3,12 +3,19 @@
 //! cut from ([`super::piece`]); backward joins their gradients and starts the reduction into
 //! the shard ([`super::step::backward`]).
 //!
-//! Its parents are the shard and the block's input (the anchor), through which no gradient
-//! flows: burn orders backward by depth, and the anchor puts the operation at the block's
-//! depth, so its backward runs right after the block's own. With
+//! Its parents are the shard and an anchor, a one-element stand-in computed from the block's
+//! input, through which no gradient flows: burn orders backward by depth, and the anchor puts
+//! the operation at the block's depth, so its backward runs right after the block's own. With
 //! [`ShardingStrategy::FullShard`] the operation is memory-bound with a retro-forward (a gather
 //! again): on a device with gradient checkpointing, burn drops the gathered parameters after
 //! the forward pass and gathers them again when backward first needs them.
+//!
+//! The anchor is an operation of its own, compute-bound, rather than the input itself: burn's
+//! checkpointer walks up a memory-bound node's parents until it meets a computed one, both to
+//! count what backward will need and to recompute it. Were the input (most often the previous
+//! block's output, memory-bound) a parent, that walk would go through the previous block's
+//! parameters into its gather, and from there into every earlier block: the first block's
+//! backward would gather every block again and hold them all until each one's own backward.
 
 use std::marker::PhantomData;
 use std::sync::Arc;
@@ -24,7 +31,9 @@ use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
 use burn::backend::autodiff::grads::Gradients;
 use burn::backend::autodiff::ops::{Backward, Ops, OpsKind};
 use burn::backend::tensor::FloatTensor;
-use burn::backend::{Backend, DispatchKindConversion, DispatchTensor, Flex, backend_extension};
+use burn::backend::{
+    Backend, DispatchKindConversion, DispatchTensor, Flex, Shape, TensorMetadata, backend_extension,
+};
 use burn::tensor::Tensor;
 
 use super::{ShardingStrategy, Shared, piece, step};
@@ -58,9 +67,14 @@ pub(super) fn attach(
     }
     let len = full.dims()[0];
     let full = crate::collectives::backend::slices::on_device(full, &device);
-    let anchor = anchor.unwrap_or_else(|| Tensor::<1>::zeros([1], &device).into_dispatch());
+    // Without an input, the anchor comes from the shard (the gather then sits at depth 2).
+    let shard = shard.into_dispatch();
+    let anchor = <burn::backend::Dispatch as FsdpBackend>::fsdp_anchor(
+        anchor.unwrap_or_else(|| shard.clone()),
+        shard.clone(),
+    );
     Tensor::from_dispatch(<burn::backend::Dispatch as FsdpBackend>::fsdp_gather(
-        shard.into_dispatch(),
+        shard,
         anchor,
         full.into_dispatch(),
         Call {
@@ -80,6 +94,14 @@ pub(super) struct Call {
 /// The gather of a wrapped block's parameters, differentiated across the process group.
 #[backend_extension(Autodiff, Flex, Cube: cfg(any(feature = "wgpu", feature = "nccl")))]
 pub(super) trait FsdpBackend: Backend {
+    /// One element standing for `input` in the order of backward, compute-bound, through which
+    /// no gradient flows; from `shard` where `input` is not tracked.
+    fn fsdp_anchor(input: FloatTensor<Self>, shard: FloatTensor<Self>) -> FloatTensor<Self> {
+        let _ = input;
+        let (device, dtype) = (shard.device(), shard.dtype());
+        Self::float_zeros(Shape::new([1]), &device, dtype.into())
+    }
+
     /// `full`, the gathered parameters, as the result of gathering `shard`; `anchor` is the
     /// block's input (a parent only, for the order of backward).
     fn fsdp_gather(
@@ -101,6 +123,16 @@ impl<B: Backend, C: CheckpointStrategy> FsdpBackend for Autodiff<B, C>
 where
     DispatchTensor: DispatchKindConversion<B>,
 {
+    fn fsdp_anchor(input: FloatTensor<Self>, shard: FloatTensor<Self>) -> FloatTensor<Self> {
+        let parent = if input.is_tracked() { input } else { shard };
+        let (device, dtype) = (parent.primitive().device(), parent.primitive().dtype());
+        let out = B::float_zeros(Shape::new([1]), &device, dtype.into());
+        AnchorBackward
+            .prepare::<C>([parent.node()])
+            .compute_bound()
+            .stateless(out)
+    }
+
     fn fsdp_gather(
         shard: FloatTensor<Self>,
         anchor: FloatTensor<Self>,
@@ -114,6 +146,7 @@ where
                 .memory_bound()
                 .retro_forward(RetroGather::<B> {
                     shard: shard.id(),
+                    anchor: anchor.id(),
                     call: call.clone(),
                     _backend: PhantomData,
                 })
@@ -135,6 +168,7 @@ where
 #[derive(Debug)]
 struct RetroGather<B> {
     shard: NodeId,
+    anchor: NodeId,
     call: Call,
     _backend: PhantomData<fn() -> B>,
 }
@@ -145,11 +179,24 @@ where
 {
     fn forward(&self, states: &mut BackwardStates, out_node: NodeId) {
         let shard = states.get_state::<FloatTensor<B>>(&self.shard);
+        // Counted as needed by burn, as every parent is: taken, so that burn lets it go.
+        let _anchor = states.get_state::<FloatTensor<B>>(&self.anchor);
         let shard = Tensor::<1>::from_primitive::<B>(shard);
+        step::regathered(&self.call.shared);
         let work = start(&self.call.shared, shard);
         let full = step::wait_exposed(work).unwrap_or_else(|e| panic!("{e}"));
         states.save(out_node, primitive::<B>(&self.call.shared, full));
     }
+}
+
+/// The backward step of [`FsdpBackend::fsdp_anchor`]: nothing, no gradient flows through it.
+#[derive(Debug)]
+struct AnchorBackward;
+
+impl<B: Backend> Backward<B, 1> for AnchorBackward {
+    type State = ();
+
+    fn backward(self, _: Ops<Self::State, 1>, _: &mut Gradients, _: &mut Checkpointer) {}
 }
 
 /// The backward step of [`FsdpBackend::fsdp_gather`].

@@ -38,6 +38,8 @@ struct Step {
     in_flight: VecDeque<Pending>,
     /// Finished reductions, waiting to be handed over at the flush.
     ready: Vec<(NodeId, Tensor<1>, Arc<Shared>)>,
+    /// The blocks gathered again in backward whose own backward has not run yet (by address).
+    regathered: Vec<usize>,
 }
 
 thread_local! {
@@ -79,6 +81,8 @@ pub(super) fn backward(
     shard: Option<NodeId>,
     grad: Tensor<1>,
 ) -> Result<Vec<(NodeId, Tensor<1>, Arc<Shared>)>> {
+    let key = Arc::as_ptr(block) as usize;
+    STEP.with(|s| s.borrow_mut().regathered.retain(|k| *k != key));
     if let Some(node) = shard {
         let work = start_reduce(block, grad.inner());
         let oldest = STEP.with(|s| {
@@ -147,6 +151,17 @@ pub(super) fn wait_exposed<T: Send + 'static>(work: Work<T>) -> Result<T> {
     out
 }
 
+/// Backward gathered `block` again (its gather's retro-forward).
+pub(super) fn regathered(block: &Arc<Shared>) {
+    let key = Arc::as_ptr(block) as usize;
+    let held = STEP.with(|s| {
+        let mut s = s.borrow_mut();
+        s.regathered.push(key);
+        s.regathered.len() as u64
+    });
+    count(|s| s.most_regathered = s.most_regathered.max(held));
+}
+
 /// A gather of `elements` started.
 pub(super) fn count_gather(elements: usize) {
     count(|s| {
@@ -179,6 +194,12 @@ pub struct FsdpStats {
     pub elements_gathered: u64,
     /// Elements of the reduced gradients (before the scatter).
     pub elements_reduced: u64,
+    /// With [`super::ShardingStrategy::FullShard`] on a device with gradient checkpointing: the
+    /// most blocks gathered again in backward and waiting for their own backward at any one
+    /// time, each holding its whole parameters. Backward needs 1 or 2 (burn's checkpointing
+    /// gathers a block when the next one's backward recomputes its input from it). A
+    /// high-water mark, not a counter: subtraction keeps the later reading's.
+    pub most_regathered: u64,
 }
 
 impl std::ops::Sub for FsdpStats {
@@ -190,6 +211,7 @@ impl std::ops::Sub for FsdpStats {
             reduces: self.reduces - rhs.reduces,
             elements_gathered: self.elements_gathered - rhs.elements_gathered,
             elements_reduced: self.elements_reduced - rhs.elements_reduced,
+            most_regathered: self.most_regathered,
         }
     }
 }

@@ -260,6 +260,34 @@ fn checkpointed() -> Device {
     Device::flex().autodiff().gradient_checkpointing()
 }
 
+/// Under gradient checkpointing, backward gathers each `FullShard` block again when it needs
+/// it, not every block at once: at most 2 are held at a time (the block's own, and the one
+/// before it, from which burn recomputes the block's input), however deep the chain. The first
+/// block, whose input has no gradient, is gathered again too.
+#[test]
+fn full_shard_backward_holds_at_most_two_gathered_blocks() {
+    const DEPTH: usize = 6;
+    let got = run_world(2, options(60), |g| {
+        let group = Arc::new(g);
+        let device = checkpointed();
+        let layers = (0..DEPTH)
+            .map(|_| FsdpConfig::new().init(LinearConfig::new(4, 4).init(&device), &group))
+            .collect::<burn_ddp::Result<Vec<_>>>()
+            .expect("wrap");
+        let x = Tensor::<2>::ones([2, 4], &device);
+        let before = fsdp::stats();
+        let y = fsdp::forward_chain(&layers, x, |l, x| l.forward(x).tanh());
+        let grads = GradientsParams::from_grads(y.sum().backward(), &layers);
+        let stats = fsdp::stats() - before;
+        (stats.gathers, stats.most_regathered, grads.len())
+    });
+    for (rank, (gathers, held, grads)) in got.into_iter().enumerate() {
+        assert_eq!(gathers, 2 * DEPTH as u64, "rank {rank}: gathers");
+        assert!((1..=2).contains(&held), "rank {rank}: {held} blocks held");
+        assert_eq!(grads, DEPTH, "rank {rank}: shards with a gradient");
+    }
+}
+
 /// A block used twice in one forward pass is refused, naming the block and the rank.
 #[test]
 fn a_block_run_twice_in_one_forward_pass_is_refused() {
