@@ -1,8 +1,8 @@
 //! The transformer trained data-parallel (ranks as threads over loopback) equals one process
 //! with the global batch: world 2 with batch b against world 1 with batch 2b, dropout off. And
 //! its blocks wrapped in burn-ddp's `Fsdp` (`--fsdp`): the flag, runs of the program alone with
-//! each strategy, the same training as the unwrapped model alone, and a wrapped model gathered
-//! back into the one it was made from.
+//! each strategy, the same training as the unwrapped model alone, at world 2 and at world 4
+//! over 3 epochs, and a wrapped model gathered back into the one it was made from.
 
 use std::sync::Arc;
 
@@ -345,44 +345,59 @@ fn world_counting_gathers(n: usize, cfg: &LmConfig, model: &CharLm) -> Vec<(Vec<
     })
 }
 
-/// [`two_blocks`] at world 2: 4 sequences per rank, so 6 steps of 8 sequences, as world 1.
-fn two_ranks(name: &str, fsdp: Option<ShardingStrategy>) -> LmConfig {
+/// [`two_blocks`] at world `n` (8 sequences a step in all, as world 1) for `epochs` epochs.
+fn ranks_of(n: usize, epochs: usize, name: &str, fsdp: Option<ShardingStrategy>) -> LmConfig {
     LmConfig {
-        batch_size: 4,
+        batch_size: 8 / n,
+        epochs,
         ..two_blocks(name, fsdp)
     }
 }
 
-/// Optimizer steps of [`two_ranks`]: 48 sequences, 2 ranks of 4.
-const TWO_RANK_STEPS: u64 = 6;
+/// Optimizer steps of an epoch of [`ranks_of`]: 48 sequences, 8 a step.
+const STEPS_PER_EPOCH: u64 = 6;
 
-/// Trains the unwrapped model and then each of `strategies` at world 2; checks that every rank
-/// of every strategy ends within 1e-6 of the unwrapped model and that the replicas agree, and
-/// returns rank 0's gathers per strategy.
-fn world_2_against_unwrapped(name: &str, strategies: &[ShardingStrategy]) -> Vec<u64> {
-    let unwrapped = two_ranks(&format!("{name}-unwrapped"), None);
+/// Trains the unwrapped model and then each of `strategies` at world `n` for `epochs` epochs;
+/// checks that every rank of every strategy ends within 1e-6 of the unwrapped model and that
+/// the replicas agree, and returns rank 0's gathers per strategy.
+fn against_unwrapped(
+    n: usize,
+    epochs: usize,
+    name: &str,
+    strategies: &[ShardingStrategy],
+) -> Vec<u64> {
+    let unwrapped = ranks_of(n, epochs, &format!("{name}-unwrapped"), None);
     let device = device();
     device.seed(unwrapped.seed);
     let model = CharLm::init(&device, &unwrapped).materialize();
-    let reference = world(2, &unwrapped, &model).remove(0);
+    let reference = world(n, &unwrapped, &model).remove(0);
     let _ = std::fs::remove_dir_all(&unwrapped.artifacts);
     let mut gathers = Vec::new();
     for &strategy in strategies {
-        let cfg = two_ranks(&format!("{name}-{}", strategy.name()), Some(strategy));
-        let ranks = world_counting_gathers(2, &cfg, &model);
+        let cfg = ranks_of(
+            n,
+            epochs,
+            &format!("{name}-{}", strategy.name()),
+            Some(strategy),
+        );
+        let ranks = world_counting_gathers(n, &cfg, &model);
         let _ = std::fs::remove_dir_all(&cfg.artifacts);
         for (rank, (params, _)) in ranks.iter().enumerate() {
             let error = relative_error(params, &reference);
             eprintln!(
-                "world 2, fsdp {} against unwrapped, rank {rank}: relative error {error:.2e}",
+                "world {n}, {epochs} epoch(s), fsdp {} against unwrapped, rank {rank}: \
+                 relative error {error:.2e}",
                 strategy.name()
             );
             assert!(
                 error <= 1e-6,
                 "{strategy:?}, rank {rank}: relative error {error:.2e}"
             );
+            assert_eq!(
+                params, &ranks[0].0,
+                "{strategy:?}: rank {rank}'s replica differs"
+            );
         }
-        assert_eq!(ranks[0].0, ranks[1].0, "{strategy:?}: the replicas differ");
         gathers.push(ranks[0].1);
     }
     gathers
@@ -391,24 +406,40 @@ fn world_2_against_unwrapped(name: &str, strategies: &[ShardingStrategy]) -> Vec
 #[test]
 fn world_2_with_grad_op_or_none_ends_where_the_unwrapped_model_does() {
     let strategies = [ShardingStrategy::ShardGradOp, ShardingStrategy::NoShard];
-    let gathers = world_2_against_unwrapped("w2", &strategies);
+    let gathers = against_unwrapped(2, 1, "w2", &strategies);
     // Validation gathers too (the same batches under every strategy): grad-op's training
     // gathers are 2 blocks a step, none never gathers.
-    assert!(gathers[0] >= TWO_RANK_STEPS * 2, "grad-op: {gathers:?}");
+    assert!(gathers[0] >= STEPS_PER_EPOCH * 2, "grad-op: {gathers:?}");
     assert_eq!(gathers[1], 0, "fsdp none gathered");
 }
 
 #[test]
 fn world_2_full_shard_gathers_each_block_again_in_backward_and_ends_where_unwrapped_does() {
     let strategies = [ShardingStrategy::FullShard, ShardingStrategy::ShardGradOp];
-    let gathers = world_2_against_unwrapped("w2-full", &strategies);
+    let gathers = against_unwrapped(2, 1, "w2-full", &strategies);
     // `full` trains under gradient checkpointing: burn drops each gathered block after the
     // forward pass, and each step's backward gathers its 2 blocks again.
     assert_eq!(
         gathers[0] - gathers[1],
-        TWO_RANK_STEPS * 2,
+        STEPS_PER_EPOCH * 2,
         "gathers: full {}, grad-op {}",
         gathers[0],
         gathers[1]
     );
+}
+
+#[test]
+fn world_4_with_each_strategy_ends_where_the_unwrapped_model_does_after_3_epochs() {
+    let strategies = [
+        ShardingStrategy::FullShard,
+        ShardingStrategy::ShardGradOp,
+        ShardingStrategy::NoShard,
+    ];
+    let gathers = against_unwrapped(4, 3, "w4", &strategies);
+    assert_eq!(
+        gathers[0] - gathers[1],
+        3 * STEPS_PER_EPOCH * 2,
+        "gathers: {gathers:?}"
+    );
+    assert_eq!(gathers[2], 0, "fsdp none gathered");
 }
