@@ -14,26 +14,8 @@ use quickstart::charlm::{CharLm, LmConfig, device, train_model};
 
 /// The final parameters of every rank of a world of `n` training `model` with `cfg`.
 fn world(n: usize, cfg: &LmConfig, model: &CharLm) -> Vec<Vec<f32>> {
-    let server = StoreServer::bind("127.0.0.1:0").unwrap();
-    let port = server.local_addr().port();
-    std::thread::scope(|s| {
-        let ranks: Vec<_> = (0..n)
-            .map(|rank| {
-                s.spawn(move || {
-                    let group = ProcessGroup::builder(rank, n)
-                        .master_addr("127.0.0.1")
-                        .master_port(port)
-                        .host_store(false)
-                        .build()
-                        .unwrap();
-                    train_model(Arc::new(group), cfg, model.clone())
-                        .unwrap()
-                        .params
-                })
-            })
-            .collect();
-        ranks.into_iter().map(|r| r.join().unwrap()).collect()
-    })
+    let ranks = world_counting_gathers(n, cfg, model);
+    ranks.into_iter().map(|(params, _)| params).collect()
 }
 
 /// ||a - b|| / ||b||.

@@ -12,7 +12,6 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use burn::data::dataloader::DataLoaderBuilder;
-use burn::data::dataloader::batcher::Batcher;
 use burn::module::{Module, Param};
 use burn::nn::loss::CrossEntropyLossConfig;
 use burn::nn::{Linear, LinearConfig};
@@ -29,7 +28,7 @@ use burn_ddp::train::{
     ProgressOutput, QuietRenderer, Sharding, Telemetry, parameters_to_vector,
 };
 
-use super::model::{DATA, Points, flex};
+use super::model::{DATA, Points, Rows, ToRows, flex};
 use super::{assert_identical, relative_error};
 use crate::common::{max_relative_error, options, run_world, value};
 
@@ -37,28 +36,6 @@ use crate::common::{max_relative_error, options, run_world, value};
 const WIDTHS: [usize; 4] = [6, 8, 7, 3];
 /// Points per batch, per rank.
 const BATCH: usize = 4;
-
-/// A batch of points.
-#[derive(Clone, Debug)]
-struct Rows {
-    x: Tensor<2>,
-    y: Tensor<1, Int>,
-}
-
-#[derive(Clone)]
-struct ToRows;
-
-impl Batcher<(Vec<f32>, usize), Rows> for ToRows {
-    fn batch(&self, items: Vec<(Vec<f32>, usize)>, device: &Device) -> Rows {
-        let n = items.len();
-        let x: Vec<f32> = items.iter().flat_map(|(x, _)| x.clone()).collect();
-        let y: Vec<i64> = items.iter().map(|(_, y)| *y as i64).collect();
-        Rows {
-            x: Tensor::from_data(TensorData::new(x, [n, WIDTHS[0]]), device),
-            y: Tensor::from_data(TensorData::new(y, [n]), device),
-        }
-    }
-}
 
 /// Layer `i` of rank `rank`'s initial model: deterministic values of its own (no generator
 /// that other test threads seed), so that every rank but 0 starts elsewhere.

@@ -39,6 +39,29 @@ impl Dataset<(Vec<f32>, usize)> for Points {
     }
 }
 
+/// A batch of [`Points`], features and classes only (for models of their own).
+#[derive(Clone, Debug)]
+pub(crate) struct Rows {
+    pub(crate) x: Tensor<2>,
+    pub(crate) y: Tensor<1, Int>,
+}
+
+/// Batches [`Points`] into [`Rows`].
+#[derive(Clone)]
+pub(crate) struct ToRows;
+
+impl Batcher<(Vec<f32>, usize), Rows> for ToRows {
+    fn batch(&self, items: Vec<(Vec<f32>, usize)>, device: &Device) -> Rows {
+        let n = items.len();
+        let x: Vec<f32> = items.iter().flat_map(|(x, _)| x.clone()).collect();
+        let y: Vec<i64> = items.iter().map(|(_, y)| *y as i64).collect();
+        Rows {
+            x: Tensor::from_data(TensorData::new(x, [n, FEATURES]), device),
+            y: Tensor::from_data(TensorData::new(y, [n]), device),
+        }
+    }
+}
+
 #[derive(Clone, Debug)]
 pub(crate) struct Batch {
     x: Tensor<2>,

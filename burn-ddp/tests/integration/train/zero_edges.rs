@@ -5,12 +5,11 @@
 //! resuming a checkpoint, at the same world size and another, with several buckets; and ZeRO-1
 //! bit-identical to plain DDP where ownership reorders a bucket.
 
-use burn::data::dataloader::batcher::Batcher;
 use burn::module::Module;
 use burn::nn::loss::CrossEntropyLossConfig;
 use burn::nn::{BatchNorm, BatchNormConfig, Linear, LinearConfig, Relu};
 use burn::optim::AdamConfig;
-use burn::tensor::{Device, Int, Tensor, TensorData};
+use burn::tensor::{Device, Tensor};
 use burn::train::{ClassificationOutput, InferenceStep, TrainOutput, TrainStep};
 use burn_ddp::testing::bucket_layout;
 use burn_ddp::train::{
@@ -18,35 +17,13 @@ use burn_ddp::train::{
     parameters_to_vector,
 };
 
-use super::model::flex;
+use super::model::{Rows, ToRows, flex};
 use super::threads::{Threads, train_on_threads};
 use super::{assert_identical, relative_error, small_buckets};
 
 const FEATURES: usize = 6;
 const CLASSES: usize = 3;
 const HIDDEN: usize = 8;
-
-/// A batch of [`Points`](super::model::Points).
-#[derive(Clone, Debug)]
-struct Rows {
-    x: Tensor<2>,
-    y: Tensor<1, Int>,
-}
-
-#[derive(Clone)]
-struct ToRows;
-
-impl Batcher<(Vec<f32>, usize), Rows> for ToRows {
-    fn batch(&self, items: Vec<(Vec<f32>, usize)>, device: &Device) -> Rows {
-        let n = items.len();
-        let x: Vec<f32> = items.iter().flat_map(|(x, _)| x.clone()).collect();
-        let y: Vec<i64> = items.iter().map(|(_, y)| *y as i64).collect();
-        Rows {
-            x: Tensor::from_data(TensorData::new(x, [n, FEATURES]), device),
-            y: Tensor::from_data(TensorData::new(y, [n]), device),
-        }
-    }
-}
 
 /// A classifier of [`Points`](super::model::Points): a frozen layer, a hidden layer (no bias)
 /// with BatchNorm, the output layer; each but the output optional.
