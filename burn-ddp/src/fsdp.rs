@@ -55,6 +55,7 @@
 mod flat;
 mod gather;
 mod module;
+mod optim_state;
 mod piece;
 mod state;
 mod step;
@@ -71,8 +72,10 @@ use crate::wire::Writer;
 use crate::{ProcessGroup, Work};
 
 pub(crate) use module::{first_block, shard_gradients};
-pub(crate) use state::replicated;
+pub use optim_state::{full_optimizer_record, load_full_optimizer_record};
+pub(crate) use optim_state::{shard_ids, shard_state, whole_state};
 pub use state::{full_record, load_full_record};
+pub(crate) use state::{loading_whole, replicated, saving_whole};
 pub use step::{FsdpStats, stats};
 
 /// How a wrapped block's parameters, gradients and optimizer state are divided over the ranks

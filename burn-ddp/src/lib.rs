@@ -72,6 +72,8 @@ mod limits;
 mod liveness;
 #[cfg(feature = "train")]
 pub mod nn;
+#[cfg(feature = "train")]
+mod records;
 pub mod secret;
 pub mod signals;
 pub mod status;

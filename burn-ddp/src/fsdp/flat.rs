@@ -242,6 +242,19 @@ impl<M: Module> Template<M> {
         self.0.clone().map(&mut Lazy { layout, next: 0 })
     }
 
+    /// The ids of the block's float parameters, in visit order.
+    pub(crate) fn ids(&self) -> Vec<u64> {
+        struct Ids(Vec<u64>);
+        impl ModuleVisitor for Ids {
+            fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+                self.0.push(param.id.val());
+            }
+        }
+        let mut ids = Ids(Vec::new());
+        self.0.visit(&mut ids);
+        ids.0
+    }
+
     /// The template itself (for moving it between devices).
     pub(crate) fn map_module(self, f: impl FnOnce(M) -> M) -> Self {
         Template(f(self.0))

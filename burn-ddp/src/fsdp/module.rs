@@ -72,6 +72,16 @@ impl<M: Module> Module for Fsdp<M> {
                 Err(e) => state::fail(e),
             },
             Mode::Replicated => {}
+            Mode::List => {
+                super::optim_state::list(super::optim_state::Listed {
+                    shared: self.shared.clone(),
+                    shard: self.shard.id.val(),
+                    params: self.template.ids(),
+                });
+                visitor.enter_module(SHARD_FIELD, CONTAINER);
+                self.shard.visit(visitor);
+                visitor.exit_module(SHARD_FIELD, CONTAINER);
+            }
         }
     }
 
@@ -79,7 +89,7 @@ impl<M: Module> Module for Fsdp<M> {
         match state::mode() {
             Mode::Load => return self.load_whole(mapper),
             Mode::Replicated => return self,
-            Mode::Sharded | Mode::Save { .. } => {}
+            Mode::Sharded | Mode::Save { .. } | Mode::List => {}
         }
         mapper.enter_module(SHARD_FIELD, CONTAINER);
         let shard = Module::map(self.shard, mapper);
@@ -184,9 +194,12 @@ impl<M: Module> Fsdp<M> {
             true => piece.require_grad(),
             false => piece,
         };
+        // The block's parameters now carry the record's ids, which its optimizer state is
+        // keyed by ([`super::optim_state`]).
         Fsdp {
             shard: Param::initialized(self.shard.id, piece),
-            ..self
+            template: super::flat::Template::of(whole),
+            shared: self.shared,
         }
     }
 }

@@ -26,6 +26,8 @@ pub(super) enum Mode {
     Load,
     /// Nothing: the data-parallel machinery's view of a model ([`replicated`]).
     Replicated,
+    /// The shard, each block also listing itself ([`super::optim_state`]).
+    List,
 }
 
 thread_local! {
@@ -60,7 +62,7 @@ pub(super) fn sharded<T>(f: impl FnOnce() -> T) -> T {
 
 /// Runs `f` with the mode `mode` on this thread, the caller's mode restored after it (also
 /// when `f` panics).
-fn switched<T>(mode: Mode, f: impl FnOnce() -> T) -> T {
+pub(super) fn switched<T>(mode: Mode, f: impl FnOnce() -> T) -> T {
     struct Restore(Mode);
     impl Drop for Restore {
         fn drop(&mut self) {
@@ -80,6 +82,23 @@ fn with_mode<T>(mode: Mode, f: impl FnOnce() -> T) -> Result<T> {
         Some(e) => Err(e),
         None => Ok(out),
     }
+}
+
+/// Runs `f` (which takes `model`'s record) with every wrapped block showing its whole
+/// parameters, gathered (kept on rank 0 only): a collective, every rank of `group` runs it.
+pub(crate) fn saving_whole<T>(group: &ProcessGroup, f: impl FnOnce() -> T) -> Result<T> {
+    with_mode(
+        Mode::Save {
+            keep: group.rank() == 0,
+        },
+        f,
+    )
+}
+
+/// Runs `f` (which loads a whole model's record) with every wrapped block taking its whole
+/// parameters from the record and keeping this rank's piece.
+pub(crate) fn loading_whole<T>(f: impl FnOnce() -> T) -> Result<T> {
+    with_mode(Mode::Load, f)
 }
 
 /// The record of `model` with every wrapped block whole, as the unwrapped model's record

@@ -199,15 +199,20 @@ impl Snapshot {
         let model = ModuleRecord::from_bytes(bytes(&self.model)).map_err(record("model"))?;
         let scheduler = LrSchedulerRecord::from_bytes(bytes(&self.scheduler))
             .map_err(record("learning-rate schedule"))?;
+        // A whole model's record: wrapped blocks ([`crate::fsdp`]) keep this rank's piece.
+        let blocks = |e: crate::DdpError| SnapshotError::Encode(e.to_string());
         // burn's `load_model` panics on a record that does not fit: try it on a copy first.
-        learner
-            .model()
-            .try_load_record(model.clone())
+        let current = learner.model();
+        crate::fsdp::loading_whole(|| current.try_load_record(model.clone()))
+            .map_err(blocks)?
             .map_err(SnapshotError::ModelMismatch)?;
-        learner.load_model(model);
+        crate::fsdp::loading_whole(|| learner.load_model(model)).map_err(blocks)?;
+        // The blocks' parameters' state becomes this rank's shards' (the loaded blocks carry
+        // the record's parameter ids).
+        let optim = crate::fsdp::shard_state(&learner.model(), &self.optim).map_err(blocks)?;
         let optim = match keep(&learner.model()) {
-            Some(ids) => optimizer_records::keep(&self.optim, &ids)?,
-            None => self.optim.clone(),
+            Some(ids) => optimizer_records::keep(&optim, &ids)?,
+            None => optim,
         };
         let optim = OptimizerRecord::from_bytes(bytes(&optim)).map_err(record("optimizer"))?;
         learner.load_optim(optim);

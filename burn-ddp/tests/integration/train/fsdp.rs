@@ -24,9 +24,11 @@ use burn::train::{
 use burn_ddp::ProcessGroup;
 use burn_ddp::fsdp::{self, Fsdp, FsdpConfig, ShardingStrategy};
 use burn_ddp::train::{
-    CheckpointConfig, DdpLearner, DdpTraining, DistributedSampler, JobStats, NonFinite,
-    ProgressOutput, QuietRenderer, Sharding, Telemetry, parameters_to_vector,
+    DdpLearner, DdpTraining, DistributedSampler, JobStats, NonFinite, ProgressOutput,
+    QuietRenderer, Sharding, Telemetry, parameters_to_vector,
 };
+
+mod checkpoints;
 
 use super::model::{DATA, Points, Rows, ToRows, flex};
 use super::{assert_identical, relative_error};
@@ -61,16 +63,31 @@ fn classify(logits: Tensor<2>, y: Tensor<1, Int>) -> ClassificationOutput {
     ClassificationOutput::new(loss, logits, y)
 }
 
-/// The network unwrapped, trained by plain DdpLearner.
+/// The network unwrapped, trained by plain DdpLearner: the same fields as [`FsdpNet`], so that
+/// the records of either load into the other.
 #[derive(Module, Debug)]
 struct PlainNet {
-    layers: Vec<Linear>,
+    plain: Vec<Linear>,
+    wrapped: Vec<Linear>,
 }
 
 impl PlainNet {
+    /// Rank `rank`'s network, its first `unwrapped` layers in `plain`.
+    fn new(rank: usize, unwrapped: usize, device: &Device) -> Self {
+        let mut layers: Vec<Linear> = (0..WIDTHS.len() - 1)
+            .map(|i| linear(i, rank, device))
+            .collect();
+        let wrapped = layers.split_off(unwrapped);
+        PlainNet {
+            plain: layers,
+            wrapped,
+        }
+    }
+
     fn logits(&self, x: Tensor<2>) -> Tensor<2> {
-        let last = self.layers.len() - 1;
-        (self.layers.iter().enumerate()).fold(x, |x, (i, l)| {
+        let layers: Vec<&Linear> = self.plain.iter().chain(&self.wrapped).collect();
+        let last = layers.len() - 1;
+        (layers.into_iter().enumerate()).fold(x, |x, (i, l)| {
             let y = l.forward(x);
             if i < last { y.tanh() } else { y }
         })
@@ -91,6 +108,8 @@ thread_local! {
     static POISON: Cell<(usize, Option<usize>)> = const { Cell::new((0, None)) };
     /// How long each forward pass on this thread sleeps first (a straggler).
     static SLOW: Cell<Duration> = const { Cell::new(Duration::ZERO) };
+    /// Whether the training on this thread also has burn-train's own checkpointer.
+    static BURN_CHECKPOINTER: Cell<bool> = const { Cell::new(false) };
 }
 
 impl FsdpNet {
@@ -131,9 +150,11 @@ impl FsdpNet {
     /// The whole network as the unwrapped one lays it out (a collective: the blocks are
     /// gathered), flattened.
     fn whole(&self) -> Vec<f32> {
-        let mut layers = self.plain.clone();
-        layers.extend(self.wrapped.iter().map(|b| b.gathered().expect("gather")));
-        parameters_to_vector(&PlainNet { layers })
+        let wrapped = self.wrapped.iter().map(|b| b.gathered().expect("gather"));
+        parameters_to_vector(&PlainNet {
+            plain: self.plain.clone(),
+            wrapped: wrapped.collect(),
+        })
     }
 }
 
@@ -219,6 +240,11 @@ where
             .sampler(&sampler)
             .valid_sampler(&valid_sampler)
             .progress(ProgressOutput::Keep);
+        // Read after the learner is built: its closure sets it.
+        let training = match BURN_CHECKPOINTER.take() {
+            true => training.with_default_checkpointers(),
+            false => training,
+        };
         let outcome = training.launch_ddp(learner);
         POISON.set((0, None));
         SLOW.set(Duration::ZERO);
@@ -257,10 +283,8 @@ fn plain(world: usize, o: Optim) -> Vec<Vec<f32>> {
     let results = train_ranks(
         (world, 3, (DATA, DATA / 2)),
         |group| {
-            let layers = (0..WIDTHS.len() - 1)
-                .map(|i| linear(i, group.rank(), &device))
-                .collect();
-            DdpLearner::with_group(group.clone(), PlainNet { layers }, optimizer(o), LR)
+            let model = PlainNet::new(group.rank(), 1, &device);
+            DdpLearner::with_group(group.clone(), model, optimizer(o), LR)
         },
         |_, model: PlainNet| parameters_to_vector(&model),
     );
@@ -306,11 +330,7 @@ fn wrapped(world: usize, o: Optim, strategy: ShardingStrategy, zero: Sharding) -
 /// layer identical on every rank, the shards of a sharding strategy different.
 fn check(world: usize, o: Optim, zero: &[Sharding]) {
     let reference = plain(world, o);
-    let start = parameters_to_vector(&PlainNet {
-        layers: (0..WIDTHS.len() - 1)
-            .map(|i| linear(i, 0, &flex()))
-            .collect(),
-    });
+    let start = parameters_to_vector(&PlainNet::new(0, 1, &flex()));
     assert!(
         relative_error(&reference[0], &start) > 1e-3,
         "training changed nothing"
@@ -458,28 +478,28 @@ fn ranks_with_different_numbers_of_batches_are_refused() {
     }
 }
 
-/// DdpLearner's checkpoints of a model with wrapped blocks are refused on every rank before
-/// training, naming the rank and the block (they would hold rank 0's shards only).
+/// burn-train's own checkpointer with a model with wrapped blocks is refused on every rank
+/// before training, naming the rank and the block (it would save rank 0's shards only).
 #[test]
-fn checkpoints_of_wrapped_blocks_are_refused_naming_the_block() {
+fn burn_trains_checkpointer_with_wrapped_blocks_is_refused_naming_the_block() {
     let device = flex();
-    let dir = std::env::temp_dir().join(format!("fsdp-checkpoints-{}", std::process::id()));
     let results = train_ranks(
         (2, 1, (DATA, DATA / 2)),
         |group| {
+            BURN_CHECKPOINTER.set(true);
             let model = FsdpNet::new(group, ShardingStrategy::FullShard, 1, &device);
             DdpLearner::with_group(group.clone(), model, optimizer(Optim::AdamW), LR)
-                .checkpoints(CheckpointConfig::new(dir.join(group.rank().to_string())))
         },
         |_, _| (),
     );
-    let _ = std::fs::remove_dir_all(&dir);
     for (rank, r) in results.iter().enumerate() {
-        let e = r.as_ref().expect_err("checkpoints should be refused");
+        let e = r
+            .as_ref()
+            .expect_err("burn-train's checkpointer should be refused");
         assert!(
             e.contains(&format!("rank {rank}: fsdp wrapped"))
-                && e.contains("DdpLearner::checkpoints")
-                && e.contains("fsdp::full_record"),
+                && e.contains("burn-train's own checkpointer")
+                && e.contains("DdpLearner::checkpoints"),
             "rank {rank}: {e}"
         );
     }

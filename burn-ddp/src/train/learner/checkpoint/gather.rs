@@ -14,10 +14,9 @@
 //! all-gather, the sizes, is smaller than the ranks' agreement at start.)
 
 use burn::module::list_param_ids;
-use burn::train::metric::store::EventStoreClient;
 use burn::train::{Learner, LearnerModel};
 
-use super::{Position, Snapshot, SnapshotError};
+use super::{Snapshot, SnapshotError};
 use crate::ProcessGroup;
 use crate::error::{DdpError, Result};
 use crate::train::learner::checkpoint::optimizer_records::{self, Keyed};
@@ -74,16 +73,14 @@ fn own_limit(group: &ProcessGroup) -> usize {
     group.options().max_gather_bytes.min(PIECE_BYTES)
 }
 
-/// Takes this rank's state and gathers the ranks' optimizer records to rank 0, which merges
-/// them: on rank 0 the snapshot to write (or why there is none), on the others `None`.
+/// Gathers the ranks' optimizer records (each rank's `mine`, its state taken) to rank 0,
+/// which merges them: on rank 0 the snapshot to write (or why there is none), on the others
+/// `None`.
 pub(crate) fn take_merged<M: LearnerModel>(
     group: &ProcessGroup,
     learner: &Learner<M>,
-    at: Position,
-    events: &EventStoreClient,
-    timeout: std::time::Duration,
+    mine: std::result::Result<Snapshot, SnapshotError>,
 ) -> Result<Option<std::result::Result<Snapshot, SnapshotError>>> {
-    let mine = Snapshot::take(learner, at, events, timeout);
     let ids: Vec<u64> = (list_param_ids(&learner.model()).iter())
         .map(|id| id.val())
         .collect();

@@ -6,43 +6,19 @@
 
 use std::collections::{HashMap, HashSet};
 
-use burn::tensor::Bytes;
-use burn_pack::{Reader, Tensor, Writer};
+use burn_pack::Tensor;
 
+use crate::records::{Parts, key_id};
 use crate::train::learner::checkpoint::SnapshotError;
 
-/// One record's parts.
-struct Parts {
-    tensors: Vec<Tensor>,
-    scalars: Vec<(String, burn_pack::Scalar)>,
-    metadata: Vec<(String, String)>,
-}
-
+/// The parts of `record`.
 fn read(record: &[u8]) -> std::result::Result<Parts, SnapshotError> {
-    let bad = |e: burn_pack::Error| SnapshotError::Encode(format!("an optimizer record: {e}"));
-    let reader = Reader::from_bytes(Bytes::from_bytes_vec(record.to_vec())).map_err(bad)?;
-    let scalars = reader.scalars().clone().into_iter().collect();
-    let metadata = reader.metadata().clone().into_iter().collect();
-    let tensors = reader.into_tensors().map_err(bad)?;
-    Ok(Parts {
-        tensors,
-        scalars,
-        metadata,
-    })
+    crate::records::read(record).map_err(SnapshotError::Encode)
 }
 
+/// The record of `parts`.
 fn write(parts: Parts) -> std::result::Result<Vec<u8>, SnapshotError> {
-    let mut writer = Writer::new(parts.tensors);
-    for (key, value) in &parts.scalars {
-        writer = writer.with_scalar(key, *value);
-    }
-    for (key, value) in &parts.metadata {
-        writer = writer.with_metadata(key, value);
-    }
-    let bytes = writer
-        .into_bytes()
-        .map_err(|e| SnapshotError::Encode(format!("an optimizer record: {e}")))?;
-    Ok(bytes.to_vec())
+    crate::records::write(parts).map_err(SnapshotError::Encode)
 }
 
 /// One rank's optimizer record and its parameter ids in visit order.
@@ -79,11 +55,6 @@ pub(crate) fn merge(
         all.metadata.extend(parts.metadata);
     }
     write(all)
-}
-
-/// The id a record's key belongs to: `"{id}"` or `"{id}.{name}"`.
-fn key_id(key: &str) -> Option<u64> {
-    key.split('.').next()?.parse().ok()
 }
 
 /// `key` with its id replaced by the one `map` gives it (unchanged if it has none there).

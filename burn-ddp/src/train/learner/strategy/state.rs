@@ -11,32 +11,26 @@ use crate::train::learner::checkpoint::{self, Position, Snapshot};
 use crate::train::learner::strategy::DdpStrategy;
 
 impl DdpStrategy {
-    /// Refuses checkpoints (burn-ddp's or burn-train's) of a model with wrapped blocks
-    /// ([`crate::fsdp`]): each rank holds another shard of their parameters and optimizer state,
-    /// which neither writes yet. `fsdp::full_record` saves the whole model instead.
+    /// Refuses burn-train's own checkpointer with a model with wrapped blocks
+    /// ([`crate::fsdp`]): it would save rank 0's shards of their parameters and optimizer
+    /// state. [`DdpLearner::checkpoints`](crate::train::DdpLearner::checkpoints) saves the whole
+    /// model instead.
     pub(super) fn refuse_checkpoints_of_blocks<M: Module>(
         &self,
         model: &M,
         burn_checkpointer: bool,
     ) -> Result<()> {
-        let Some(block) = crate::fsdp::first_block(model) else {
+        let Some(block) = crate::fsdp::first_block(model).filter(|_| burn_checkpointer) else {
             return Ok(());
-        };
-        let which = match (self.checkpoints.is_some(), burn_checkpointer) {
-            (true, _) => "DdpLearner::checkpoints",
-            (false, true) => "burn-train's own checkpointer",
-            (false, false) => return Ok(()),
         };
         Err(DdpError::Fsdp {
             rank: self.group.rank(),
             block,
-            reason: format!(
-                "{which} is set, but checkpoints of a model with wrapped blocks are not written \
-                 yet (each rank holds another shard of their parameters and optimizer state): \
-                 remove it, and save the whole model with burn_ddp::fsdp::full_record (rank 0 \
-                 gets the unwrapped model's record; load it at any world size with \
-                 fsdp::load_full_record)"
-            ),
+            reason: "burn-train's own checkpointer is set, but it would save rank 0's shards \
+                     of the wrapped blocks only: remove it and use DdpLearner::checkpoints, \
+                     which saves the whole model and its optimizer state (or save the model \
+                     with burn_ddp::fsdp::full_record)"
+                .into(),
         })
     }
 
@@ -58,16 +52,40 @@ impl DdpStrategy {
             status.step(at.batches);
         }
         let timeout = self.group.options().timeout;
-        let snapshot = if self.reducer.shards() {
+        let take = || Snapshot::take(learner, at, events, timeout);
+        let model = learner.model();
+        let mine = match crate::fsdp::first_block(&model) {
+            // Every rank takes part: the blocks' parameters and optimizer state are gathered.
+            Some(_) => Some(self.take_whole(&model, take)?),
+            None if self.reducer.shards() => Some(take()),
+            None => self.is_main().then(take),
+        };
+        let snapshot = match (self.reducer.shards(), mine) {
             // Each rank holds the state of its own parameters: rank 0 gathers and merges them.
-            checkpoint::gather::take_merged(&self.group, learner, at, events, timeout)?
-        } else {
-            self.is_main()
-                .then(|| Snapshot::take(learner, at, events, timeout))
+            (true, Some(mine)) => checkpoint::gather::take_merged(&self.group, learner, mine)?,
+            (_, mine) => mine.filter(|_| self.is_main()),
         };
         checkpoint::save(&self.group, config, snapshot)?;
         status.enter(phase, Some(at.epoch));
         Ok(())
+    }
+
+    /// This rank's state for a checkpoint of a model with wrapped blocks (a collective): the
+    /// whole model's record on rank 0, and the optimizer's record with the blocks' state
+    /// whole on rank 0 and left out on the others (which keep their other entries, for the
+    /// sharded optimizer's merge).
+    fn take_whole<M: Module>(
+        &self,
+        model: &M,
+        take: impl FnOnce() -> std::result::Result<Snapshot, checkpoint::SnapshotError>,
+    ) -> Result<std::result::Result<Snapshot, checkpoint::SnapshotError>> {
+        let mine = crate::fsdp::saving_whole(&self.group, take)?;
+        let record = mine
+            .as_ref()
+            .map(Snapshot::optim)
+            .map_err(|e| e.to_string());
+        let optim = crate::fsdp::whole_state(model, &self.group, record, self.is_main())?;
+        Ok(mine.map(|s| s.with_optim(optim)))
     }
 
     /// At the end of training: this rank's optimizer state counted, if the telemetry asks for
@@ -139,7 +157,12 @@ impl DdpStrategy {
             return Ok(None);
         };
         snapshot
-            .restore(learner, |model| self.reducer.owned_ids(model))
+            .restore(learner, |model| {
+                // The shards' entries are this rank's own, whatever the optimizer owns.
+                let mut ids = self.reducer.owned_ids(model)?;
+                ids.extend(crate::fsdp::shard_ids(model));
+                Some(ids)
+            })
             .map_err(|e| DdpError::Checkpoint {
                 rank: self.group.rank(),
                 reason: e.to_string(),

@@ -1,0 +1,408 @@
+//! The optimizer's state of wrapped blocks in the whole model's terms (PyTorch FSDP's full
+//! optimizer state dict). The optimizer keeps one entry per shard: each state tensor (Adam's
+//! moments, SGD's momentum) holds the shard's elements. A whole record holds, instead, one
+//! entry per parameter of the block, of the parameter's shape, keyed by the parameter ids the
+//! whole model's record ([`super::full_record`]) carries: the record the unwrapped model's
+//! optimizer would hold, which it loads as it is.
+//!
+//! Saving gathers each state tensor of each block in turn (no rank holds more than one whole
+//! state tensor besides rank 0's record) and cuts it by parameter on rank 0; loading cuts each
+//! rank's piece out of the concatenated parameters' state, as the parameters themselves are.
+//! Scalars (Adam's step count) are the shard's for every parameter of the block.
+
+use std::cell::RefCell;
+use std::collections::{BTreeMap, HashMap};
+use std::sync::Arc;
+
+use burn::module::{Module, ModuleVisitor, Param};
+use burn::optim::OptimizerRecord;
+use burn::tensor::{Bytes, DType, Tensor, TensorData};
+use burn_pack::Scalar;
+
+use super::Shared;
+use super::module::SHARD_FIELD;
+use super::state::{self, Mode};
+use crate::ProcessGroup;
+use crate::error::{DdpError, Result};
+use crate::records::{self, Parts, split_key};
+use crate::wire::Writer;
+
+/// The scalar field burn's optimizer records hold each parameter's number of dimensions in.
+const RANK_FIELD: &str = ".__rank";
+
+/// One wrapped block as its optimizer entries see it.
+pub(super) struct Listed {
+    pub(super) shared: Arc<Shared>,
+    /// The shard's parameter id on this rank.
+    pub(super) shard: u64,
+    /// The block's parameters' ids (those its whole record carries), in layout order.
+    pub(super) params: Vec<u64>,
+}
+
+thread_local! {
+    static LISTED: RefCell<Vec<Listed>> = const { RefCell::new(Vec::new()) };
+}
+
+/// Called by a wrapped block visited in [`Mode::List`].
+pub(super) fn list(block: Listed) {
+    LISTED.with(|l| l.borrow_mut().push(block));
+}
+
+/// A wrapped block of a model and its module path (`""` when the model is the block).
+struct Block {
+    listed: Listed,
+    path: String,
+}
+
+impl Block {
+    /// The module path of the block's parameter `i` in the unwrapped model.
+    fn param_path(&self, i: usize) -> String {
+        let inner = &self.listed.shared.layout.params[i].path;
+        match self.path.is_empty() {
+            true => inner.clone(),
+            false => format!("{}.{inner}", self.path),
+        }
+    }
+
+    fn error(&self, reason: impl Into<String>) -> DdpError {
+        self.listed.shared.error(reason)
+    }
+}
+
+/// The wrapped blocks of `model`, in visit order.
+fn blocks<M: Module>(model: &M) -> Vec<Block> {
+    #[derive(Default)]
+    struct Paths {
+        path: Vec<String>,
+        found: Vec<String>,
+    }
+    impl ModuleVisitor for Paths {
+        fn enter_module(&mut self, name: &str, _: &str) {
+            self.path.push(name.to_string());
+        }
+        fn exit_module(&mut self, _: &str, _: &str) {
+            self.path.pop();
+        }
+        fn visit_float<const D: usize>(&mut self, _: &Param<Tensor<D>>) {
+            if self.path.last().is_some_and(|n| n == SHARD_FIELD) {
+                self.found.push(self.path[..self.path.len() - 1].join("."));
+            }
+        }
+    }
+    LISTED.with(|l| l.borrow_mut().clear());
+    let mut paths = Paths::default();
+    state::switched(Mode::List, || model.visit(&mut paths));
+    let listed = LISTED.with(|l| std::mem::take(&mut *l.borrow_mut()));
+    (listed.into_iter().zip(paths.found))
+        .map(|(listed, path)| Block { listed, path })
+        .collect()
+}
+
+/// The parameter ids of `model`'s shards (its wrapped blocks' optimizer parameters).
+pub(crate) fn shard_ids<M: Module>(model: &M) -> Vec<u64> {
+    blocks(model).iter().map(|b| b.listed.shard).collect()
+}
+
+/// One block's entries in an optimizer record, by field (`""` or `".{name}"`).
+#[derive(Default)]
+struct Entries {
+    tensors: BTreeMap<String, burn_pack::Tensor>,
+    scalars: BTreeMap<String, Scalar>,
+}
+
+/// Takes out of `parts` the entries whose id `of` maps to a block index: each block's, by field.
+fn take_entries(parts: &mut Parts, n: usize, of: impl Fn(u64) -> Option<usize>) -> Vec<Entries> {
+    let mut out: Vec<Entries> = (0..n).map(|_| Entries::default()).collect();
+    let block = |key: &str| split_key(key).and_then(|(id, rest)| Some((of(id)?, rest.to_string())));
+    for t in std::mem::take(&mut parts.tensors) {
+        match block(&t.name) {
+            Some((b, field)) => drop(out[b].tensors.insert(field, t)),
+            None => parts.tensors.push(t),
+        }
+    }
+    for (key, value) in std::mem::take(&mut parts.scalars) {
+        match block(&key) {
+            Some((b, field)) => drop(out[b].scalars.insert(field, value)),
+            None => parts.scalars.push((key, value)),
+        }
+    }
+    parts.metadata.retain(|(key, _)| block(key).is_none());
+    out
+}
+
+/// `record` (this rank's optimizer's) with every wrapped block's shard entries replaced: on
+/// `keep`'s rank (rank 0 of a checkpoint), by the entries of the block's parameters, whole; on
+/// the others by nothing. A collective: every rank of `group` calls it with its own record
+/// (`Err` when it has none, for the others to fail alike).
+pub(crate) fn whole_state<M: Module>(
+    model: &M,
+    group: &ProcessGroup,
+    record: std::result::Result<&[u8], String>,
+    keep: bool,
+) -> Result<Vec<u8>> {
+    let blocks = blocks(model);
+    let index: HashMap<u64, usize> = (blocks.iter().enumerate())
+        .map(|(i, b)| (b.listed.shard, i))
+        .collect();
+    let taken = record.and_then(records::read).map(|mut parts| {
+        let entries = take_entries(&mut parts, blocks.len(), |id| index.get(&id).copied());
+        (parts, entries)
+    });
+    // Every rank says what state its shards have (or why it cannot): the gathers below need
+    // the same fields, of the same shard lengths, on every rank.
+    let described = match &taken {
+        Ok((_, entries)) => describe(&blocks, entries),
+        Err(e) => Err(e.clone()),
+    };
+    let mut w = Writer::default();
+    match &described {
+        Ok(d) => w.u8(0).bytes(d.as_bytes()),
+        Err(e) => w.u8(1).bytes(e.as_bytes()),
+    };
+    let said = group.all_gather_object(w.buf.clone())?;
+    let theirs = said.decode_each("a description of its shards' optimizer state", |r| {
+        Ok((r.u8()? == 0, r.string()?))
+    })?;
+    if let Some((rank, (_, why))) = theirs.iter().enumerate().find(|(_, (ok, _))| !ok) {
+        return Err(fail(
+            group,
+            format!("rank {rank} cannot say its optimizer state: {why}"),
+        ));
+    }
+    if let Some(rank) = said.differing().first() {
+        return Err(fail(
+            group,
+            format!(
+                "the ranks' optimizer states of the wrapped blocks differ (rank 0: {}; rank \
+                 {rank}: {})",
+                theirs[0].1, theirs[*rank].1
+            ),
+        ));
+    }
+    let Ok((mut parts, entries)) = taken else {
+        unreachable!("every rank said its state")
+    };
+    for (block, entries) in blocks.iter().zip(entries) {
+        let shared = &block.listed.shared;
+        for (field, tensor) in entries.tensors {
+            let (_, dtype, _, _, bytes) = tensor
+                .into_parts()
+                .map_err(|e| block.error(format!("its optimizer state {field}: {e}")))?;
+            let n = shared.shard_len;
+            let device = shared.layout.device.clone().inner();
+            let local = Tensor::<1>::from_data(TensorData::from_bytes(bytes, [n], dtype), &device);
+            let work = match shared.strategy.shards() && shared.group.world_size() > 1 {
+                true => (shared.group).all_gather_parts(local, &vec![n; shared.group.world_size()]),
+                false => crate::Work::done(group.rank(), Ok(local)),
+            };
+            let whole = work.wait()?;
+            if !keep {
+                continue;
+            }
+            let whole = whole.into_data();
+            let size = dtype.size();
+            for (i, p) in shared.layout.params.iter().enumerate() {
+                let id = block.listed.params[i];
+                let at = p.offset * size..(p.offset + p.numel()) * size;
+                let piece = Bytes::from_bytes_vec(whole.as_bytes()[at].to_vec());
+                let name = format!("{id}{field}");
+                let t = burn_pack::Tensor::new(name, dtype, p.shape.clone(), Some(id), piece);
+                parts.tensors.push(t);
+            }
+        }
+        if !keep {
+            continue;
+        }
+        for (i, p) in shared.layout.params.iter().enumerate() {
+            let id = block.listed.params[i];
+            for (field, value) in &entries.scalars {
+                let value = match field.as_str() {
+                    RANK_FIELD => Scalar::from(p.shape.len()),
+                    _ => *value,
+                };
+                parts.scalars.push((format!("{id}{field}"), value));
+            }
+            if !entries.scalars.is_empty() {
+                parts.metadata.push((id.to_string(), block.param_path(i)));
+            }
+        }
+    }
+    records::write(parts).map_err(|e| fail(group, e))
+}
+
+/// What `entries` hold of each block: each state tensor's field, type and length; why not,
+/// when a tensor is not of the shard's length.
+fn describe(blocks: &[Block], entries: &[Entries]) -> std::result::Result<String, String> {
+    let mut out = Vec::new();
+    for (block, entries) in blocks.iter().zip(entries) {
+        let shard = block.listed.shared.shard_len;
+        for (field, t) in &entries.tensors {
+            let n = t.shape.num_elements();
+            if n != shard {
+                return Err(format!(
+                    "fsdp {}: its optimizer state {field} holds {n} elements, not the shard's \
+                     {shard}: the optimizer keeps state of another shape, which cannot be cut \
+                     by parameter",
+                    block.listed.shared.name
+                ));
+            }
+            out.push(format!(
+                "{}{field} {:?} {n}",
+                block.listed.shared.name, t.dtype
+            ));
+        }
+        let scalars: Vec<&String> = entries.scalars.keys().collect();
+        out.push(format!("{} scalars {scalars:?}", block.listed.shared.name));
+    }
+    Ok(out.join("; "))
+}
+
+/// `record` (a whole model's optimizer record, as [`whole_state`] writes it or the unwrapped
+/// model's optimizer holds it) with every wrapped block's parameters' entries replaced by this
+/// rank's shard entries: the parameters' state concatenated in the block's order, cut as the
+/// parameters are. `model` must have been loaded from the record's model ([`super::load_full_record`]):
+/// the blocks' parameter ids are that record's. No collective.
+pub(crate) fn shard_state<M: Module>(model: &M, record: &[u8]) -> Result<Vec<u8>> {
+    let blocks = blocks(model);
+    if blocks.is_empty() {
+        return Ok(record.to_vec());
+    }
+    // Every parameter of every block, in order: (block, parameter in it).
+    let flat: Vec<(usize, usize)> = (blocks.iter().enumerate())
+        .flat_map(|(b, block)| (0..block.listed.params.len()).map(move |i| (b, i)))
+        .collect();
+    let index: HashMap<u64, usize> = (flat.iter().enumerate())
+        .map(|(k, &(b, i))| (blocks[b].listed.params[i], k))
+        .collect();
+    let first = &blocks[0];
+    let mut parts = records::read(record).map_err(|e| first.error(e))?;
+    let mut taken = take_entries(&mut parts, flat.len(), |id| index.get(&id).copied()).into_iter();
+    let by_param: Vec<Vec<Entries>> = (blocks.iter())
+        .map(|b| taken.by_ref().take(b.listed.params.len()).collect())
+        .collect();
+    for (block, params) in blocks.iter().zip(by_param) {
+        let shared = &block.listed.shared;
+        let shard = block.listed.shard;
+        let fields: std::collections::BTreeSet<&String> =
+            params.iter().flat_map(|p| p.tensors.keys()).collect();
+        for field in fields {
+            let mut joined: Vec<u8> = Vec::new();
+            let mut dtype: Option<DType> = None;
+            for (i, p) in shared.layout.params.iter().enumerate() {
+                let Some(t) = params[i].tensors.get(field) else {
+                    return Err(block.error(format!(
+                        "the optimizer record has state {field} for some of the block's \
+                         parameters but not for {}",
+                        block.param_path(i)
+                    )));
+                };
+                if *dtype.get_or_insert(t.dtype) != t.dtype || t.shape.num_elements() != p.numel() {
+                    return Err(block.error(format!(
+                        "the optimizer state {field} of {} is {:?} of {:?}, the parameter {:?} of \
+                         {:?}",
+                        block.param_path(i),
+                        t.dtype,
+                        t.shape,
+                        dtype,
+                        p.shape
+                    )));
+                }
+                let bytes = t.to_bytes().map_err(|e| block.error(e.to_string()))?;
+                joined.extend_from_slice(&bytes);
+            }
+            let Some(dtype) = dtype else { continue };
+            let size = dtype.size();
+            let n = shared.shard_len;
+            let start = match shared.strategy.shards() {
+                true => shared.group.rank() * n,
+                false => 0,
+            };
+            let mut piece = vec![0u8; n * size];
+            let from = (start * size).min(joined.len());
+            let to = ((start + n) * size).min(joined.len());
+            piece[..to - from].copy_from_slice(&joined[from..to]);
+            let name = format!("{shard}{field}");
+            let t =
+                burn_pack::Tensor::new(name, dtype, [n], Some(shard), Bytes::from_bytes_vec(piece));
+            parts.tensors.push(t);
+        }
+        // The scalars of the first parameter that has any (a block's parameters are stepped
+        // together), the shard's own number of dimensions.
+        if let Some(first) = params.iter().find(|p| !p.scalars.is_empty()) {
+            for (field, value) in &first.scalars {
+                let value = match field.as_str() {
+                    RANK_FIELD => Scalar::from(1usize),
+                    _ => *value,
+                };
+                parts.scalars.push((format!("{shard}{field}"), value));
+            }
+            let path = match block.path.is_empty() {
+                true => SHARD_FIELD.to_string(),
+                false => format!("{}.{SHARD_FIELD}", block.path),
+            };
+            parts.metadata.push((shard.to_string(), path));
+        }
+    }
+    records::write(parts).map_err(|e| first.error(e))
+}
+
+/// A checkpoint's error on this rank.
+fn fail(group: &ProcessGroup, reason: String) -> DdpError {
+    DdpError::Checkpoint {
+        rank: group.rank(),
+        reason,
+    }
+}
+
+/// The optimizer's record of `model` as the unwrapped model's optimizer would hold it, to go
+/// with [`full_record`](super::full_record): each wrapped block's state gathered and cut by
+/// parameter, keyed by the parameter ids of the full record. `Some` on rank 0, `None` on the
+/// others. A collective: every rank of `group` calls it with its own optimizer's record
+/// (`optimizer.to_record()`); no rank holds more than one whole state tensor of a block
+/// besides rank 0's record. Parameters outside the wrapped blocks keep their entries as
+/// rank 0's optimizer has them.
+///
+/// # Errors
+///
+/// [`DdpError::Checkpoint`] if a record cannot be read or the ranks' states differ in shape;
+/// a gather's error.
+pub fn full_optimizer_record<M: Module>(
+    model: &M,
+    record: OptimizerRecord,
+    group: &ProcessGroup,
+) -> Result<Option<OptimizerRecord>> {
+    let keep = group.rank() == 0;
+    let bytes = record
+        .into_bytes()
+        .map(|b| b.to_vec())
+        .map_err(|e| e.to_string());
+    let whole = whole_state(model, group, bytes.as_deref().map_err(Clone::clone), keep)?;
+    match keep {
+        true => OptimizerRecord::from_bytes(Bytes::from_bytes_vec(whole))
+            .map(Some)
+            .map_err(|e| fail(group, e.to_string())),
+        false => Ok(None),
+    }
+}
+
+/// This rank's optimizer record for `model`, from a whole model's one
+/// ([`full_optimizer_record`], or the unwrapped model's optimizer's), for
+/// `optimizer.load_record`: each wrapped block's parameters' state cut to this rank's piece, at
+/// any world size. Load the model first with [`load_full_record`](super::load_full_record) from
+/// the record saved with it (the blocks then carry its parameter ids). No collective.
+///
+/// # Errors
+///
+/// [`DdpError::Fsdp`] naming the block if the record holds state for only some of its
+/// parameters, or state not of their shapes.
+pub fn load_full_optimizer_record<M: Module>(
+    model: &M,
+    record: OptimizerRecord,
+    group: &ProcessGroup,
+) -> Result<OptimizerRecord> {
+    let bytes =
+        (record.into_bytes().map(|b| b.to_vec())).map_err(|e| fail(group, e.to_string()))?;
+    let sharded = shard_state(model, &bytes)?;
+    OptimizerRecord::from_bytes(Bytes::from_bytes_vec(sharded))
+        .map_err(|e| fail(group, e.to_string()))
+}
