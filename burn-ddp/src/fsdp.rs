@@ -40,9 +40,10 @@
 //! The optimizer sees one flat parameter per block, the rank's shard, and keeps its state for
 //! the shard only. [`DdpLearner`](crate::train::DdpLearner) leaves the shards' gradients alone
 //! (they are averaged over the ranks in backward), broadcasts and checks only the parameters
-//! outside the wrapped blocks, and refuses to checkpoint a model with wrapped blocks;
-//! [`full_record`] gathers the whole model's record to rank 0 (PyTorch's full state dict) and
-//! [`load_full_record`] loads it at any world size (see the guide's "Fully sharded" page).
+//! outside the wrapped blocks, and its checkpoints hold the whole model and optimizer state.
+//! Outside the learner, [`full_record`] and [`full_optimizer_record`] gather them to rank 0
+//! (PyTorch's full state dicts), and [`load_full_record`] and [`load_full_optimizer_record`]
+//! load them at any world size (see the guide's "Fully sharded" page).
 //!
 //! How it works: a block's gather is a custom autodiff operation whose parents are the shard
 //! *and the block's input*. burn runs backward by depth (a node's depth is its deepest parent's

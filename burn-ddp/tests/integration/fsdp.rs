@@ -7,9 +7,9 @@ use std::sync::Arc;
 
 use burn::module::Module;
 use burn::nn::{Linear, LinearConfig};
-use burn::optim::{AdamWConfig, GradientsParams, ModuleOptimizer, SgdConfig};
+use burn::optim::{AdamWConfig, GradientsParams, ModuleOptimizer, OptimizerRecord, SgdConfig};
 use burn::store::ModuleRecord;
-use burn::tensor::{Device, Tensor, TensorData};
+use burn::tensor::{Bytes, Device, Tensor, TensorData};
 use burn_ddp::ProcessGroup;
 use burn_ddp::fsdp::{self, Fsdp, FsdpConfig, ShardingStrategy};
 
@@ -354,9 +354,10 @@ fn ranks_wrapping_differently_and_empty_blocks_are_refused() {
     }
 }
 
-/// A model trained at world 4 gives rank 0 its whole record, which loads into the unwrapped
-/// model and into the wrapped model at world 2 (each rank keeping its piece): the same
-/// parameters everywhere.
+/// A model trained at world 4 gives rank 0 its whole record and its optimizer's, which load
+/// into the unwrapped model and into the wrapped model at world 2 (each rank keeping its
+/// piece): the same parameters everywhere, and a further AdamW step of the wrapped model at
+/// world 2 (each rank half the batch) is the unwrapped model's on the whole batch.
 #[test]
 fn the_full_record_loads_unwrapped_and_at_another_world_size() {
     let init = initial_record();
@@ -373,11 +374,18 @@ fn the_full_record_loads_unwrapped_and_at_another_world_size() {
         average(&group, &mut grads, model.first.bias.as_ref().expect("bias"));
         let model = optim.step(0.05, model, grads);
         let record = fsdp::full_record(&model, &group).expect("full record");
+        let optim = fsdp::full_optimizer_record(&model, optim.to_record(), &group)
+            .expect("full optimizer record")
+            .map(|o| o.into_bytes().expect("encoding").to_vec());
         assert_eq!(record.is_some(), group.rank() == 0);
-        (model.state(), record)
+        assert_eq!(optim.is_some(), group.rank() == 0);
+        (model.state(), record.zip(optim))
     });
     let want = saved[0].0.clone();
-    let record = saved[0].1.clone().expect("rank 0's record");
+    let (record, optim) = saved[0].1.clone().expect("rank 0's records");
+    // (An optimizer record is not `Clone`: kept encoded.)
+    let optim =
+        || OptimizerRecord::from_bytes(Bytes::from_bytes_vec(optim.clone())).expect("decoding");
     assert_ne!(
         want,
         RefNet::new(&Device::flex())
@@ -391,7 +399,8 @@ fn the_full_record_loads_unwrapped_and_at_another_world_size() {
         first: Linear,
         layers: Vec<Linear>,
     }
-    let mut fresh = RefNet::new(&Device::flex()).layers.into_iter();
+    let device = Device::flex().autodiff();
+    let mut fresh = RefNet::new(&device).layers.into_iter();
     let first = fresh.next().expect("a first layer");
     let unwrapped = Unwrapped {
         first,
@@ -400,7 +409,14 @@ fn the_full_record_loads_unwrapped_and_at_another_world_size() {
     .load_record(record.clone());
     let mut layers = vec![unwrapped.first];
     layers.extend(unwrapped.layers);
-    assert_eq!(RefNet { layers }.state(), want, "the unwrapped model");
+    let unwrapped = RefNet { layers };
+    assert_eq!(unwrapped.state(), want, "the unwrapped model");
+    // The next step, unwrapped, on the whole batch, from the full optimizer record.
+    let (x, y) = batch(1, 0..GLOBAL, &device);
+    let loss = (unwrapped.forward(x) - y).square().mean();
+    let grads = GradientsParams::from_grads(loss.backward(), &unwrapped);
+    let mut unwrapped_optim = optimizer(Optim::AdamW).load_record(optim());
+    let next = unwrapped_optim.step(0.05, unwrapped, grads).state();
 
     let resumed = run_world(2, options(60), |g| {
         let group = Arc::new(g);
@@ -409,9 +425,46 @@ fn the_full_record_loads_unwrapped_and_at_another_world_size() {
         let fresh = ShardedNet::new(RefNet::new(&device), &group, ShardingStrategy::FullShard)
             .expect("wrap");
         let loaded = fsdp::load_full_record(fresh, record.clone(), &group).expect("load");
-        loaded.state()
+        let state = loaded.state();
+        let mine = fsdp::load_full_optimizer_record(&loaded, optim(), &group)
+            .expect("load the optimizer record");
+        let mut optim = optimizer(Optim::AdamW).load_record(mine);
+        let half = GLOBAL / 2;
+        let (x, y) = batch(1, group.rank() * half..(group.rank() + 1) * half, &device);
+        let loss = (loaded.forward(x) - y).square().mean();
+        let mut grads = GradientsParams::from_grads(loss.backward(), &loaded);
+        average(&group, &mut grads, &loaded.first.weight);
+        average(
+            &group,
+            &mut grads,
+            loaded.first.bias.as_ref().expect("bias"),
+        );
+        (state, optim.step(0.05, loaded, grads).state())
     });
-    for (rank, state) in resumed.iter().enumerate() {
+    for (rank, (state, stepped)) in resumed.iter().enumerate() {
         assert_eq!(state, &want, "rank {rank} at world 2");
+        let (got, reference) = (stepped.concat(), next.concat());
+        let err = max_relative_error(&got, &reference);
+        assert!(
+            err <= 1e-5,
+            "rank {rank}: the step after loading is {err:e} from the unwrapped one"
+        );
     }
+    // Without the optimizer's state (a fresh AdamW), that step goes elsewhere.
+    let (x, y) = batch(1, 0..GLOBAL, &device);
+    let unwrapped = Unwrapped {
+        first: LinearConfig::new(WIDTHS[0], WIDTHS[1]).init(&device),
+        layers: RefNet::new(&device).layers.split_off(1),
+    }
+    .load_record(record);
+    let mut layers = vec![unwrapped.first];
+    layers.extend(unwrapped.layers);
+    let unwrapped = RefNet { layers };
+    let loss = (unwrapped.forward(x) - y).square().mean();
+    let grads = GradientsParams::from_grads(loss.backward(), &unwrapped);
+    let fresh = optimizer(Optim::AdamW).step(0.05, unwrapped, grads).state();
+    assert!(
+        max_relative_error(&fresh.concat(), &next.concat()) > 1e-3,
+        "the optimizer state makes a difference"
+    );
 }

@@ -38,7 +38,7 @@ use burn::tensor::{Device, Int, Tensor, TensorData};
 use burn::train::{ClassificationOutput, InferenceStep, TrainOutput, TrainStep};
 use burn_ddp::ProcessGroup;
 use burn_ddp::fsdp::{Fsdp, ShardingStrategy};
-use burn_ddp::train::{Compression, DdpLearner};
+use burn_ddp::train::{CheckpointConfig, Compression, DdpLearner};
 
 use crate::model::percent_correct;
 use crate::report::Report;
@@ -93,6 +93,8 @@ pub struct LmConfig {
     /// plain data parallelism. `FullShard` trains on a device with gradient checkpointing, so
     /// that burn drops each gathered block after its forward pass.
     pub fsdp: Option<ShardingStrategy>,
+    /// Directory of burn-ddp checkpoints (every epoch; resumed from when one is there).
+    pub checkpoint_dir: Option<std::path::PathBuf>,
 }
 
 impl Default for LmConfig {
@@ -117,6 +119,7 @@ impl Default for LmConfig {
             max_sequences: None,
             shard: crate::ShardFlag::None,
             fsdp: None,
+            checkpoint_dir: None,
         }
     }
 }
@@ -369,6 +372,10 @@ pub fn train_model(group: Arc<ProcessGroup>, cfg: &LmConfig, model: CharLm) -> R
                 "model",
                 format!("{}x{}x{}", cfg.layers, cfg.d_model, cfg.heads),
             );
+        let learner = match &cfg.checkpoint_dir {
+            Some(dir) => learner.checkpoints(CheckpointConfig::new(dir)),
+            None => learner,
+        };
         (training, learner)
     };
     let data = (LmBatcher, (train_data, valid_data));

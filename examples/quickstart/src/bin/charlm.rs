@@ -6,6 +6,8 @@
 //! cargo run --release -p quickstart --bin charlm -- --epochs 1
 //! burn-ddp-run --nproc 2 target/release/charlm --epochs 1
 //! burn-ddp-run --nproc 2 target/release/charlm --epochs 1 --fsdp full
+//! burn-ddp-run --nproc 4 target/release/charlm --epochs 1 --fsdp full --checkpoint-dir ckpt
+//! burn-ddp-run --nproc 2 target/release/charlm --epochs 2 --fsdp full --checkpoint-dir ckpt
 //! ```
 //!
 //! `--fsdp full|grad-op|none` wraps each transformer block in burn-ddp's `Fsdp` (fully sharded
@@ -87,6 +89,12 @@ struct Flags {
     /// Gradients are then clipped by value instead of by norm
     #[arg(long, value_name = "STRATEGY", conflicts_with = "plain", value_parser = strategy())]
     fsdp: Option<ShardingStrategy>,
+    /// Directory of burn-ddp checkpoints (the whole model and optimizer state, written every
+    /// epoch; resumed from when present, at any world size). A checkpoint of an --fsdp run
+    /// resumes with any --fsdp strategy; charlm keeps its wrapped blocks in another field than
+    /// its unwrapped ones, so not without --fsdp
+    #[arg(long, value_name = "DIR", conflicts_with = "plain")]
+    checkpoint_dir: Option<PathBuf>,
     /// Train on the text's first N sequences only (quick runs)
     #[arg(long, value_name = "N",
           value_parser = RangedU64ValueParser::<usize>::new().range(1..))]
@@ -138,6 +146,7 @@ fn run() -> anyhow::Result<()> {
         layers: f.layers,
         shard: f.shard,
         fsdp: f.fsdp,
+        checkpoint_dir: f.checkpoint_dir.clone(),
         ..LmConfig::default()
     };
     if !cfg.d_model.is_multiple_of(cfg.heads) {
