@@ -73,7 +73,7 @@ impl<M: Module> Module for Fsdp<M> {
             },
             Mode::Replicated => {}
             Mode::List => {
-                super::optim_state::list(super::optim_state::Listed {
+                state::list(state::Listed {
                     shared: self.shared.clone(),
                     shard: self.shard.id.val(),
                     params: self.template.ids(),

@@ -10,18 +10,15 @@
 //! rank's piece out of the concatenated parameters' state, as the parameters themselves are.
 //! Scalars (Adam's step count) are the shard's for every parameter of the block.
 
-use std::cell::RefCell;
 use std::collections::{BTreeMap, HashMap};
-use std::sync::Arc;
 
 use burn::module::{Module, ModuleVisitor, Param};
 use burn::optim::OptimizerRecord;
 use burn::tensor::{Bytes, DType, Tensor, TensorData};
 use burn_pack::Scalar;
 
-use super::Shared;
 use super::module::SHARD_FIELD;
-use super::state::{self, Mode};
+use super::state::{self, Listed};
 use crate::ProcessGroup;
 use crate::error::{DdpError, Result};
 use crate::records::{self, Parts, split_key};
@@ -29,24 +26,6 @@ use crate::wire::Writer;
 
 /// The scalar field burn's optimizer records hold each parameter's number of dimensions in.
 const RANK_FIELD: &str = ".__rank";
-
-/// One wrapped block as its optimizer entries see it.
-pub(super) struct Listed {
-    pub(super) shared: Arc<Shared>,
-    /// The shard's parameter id on this rank.
-    pub(super) shard: u64,
-    /// The block's parameters' ids (those its whole record carries), in layout order.
-    pub(super) params: Vec<u64>,
-}
-
-thread_local! {
-    static LISTED: RefCell<Vec<Listed>> = const { RefCell::new(Vec::new()) };
-}
-
-/// Called by a wrapped block visited in [`Mode::List`].
-pub(super) fn list(block: Listed) {
-    LISTED.with(|l| l.borrow_mut().push(block));
-}
 
 /// A wrapped block of a model and its module path (`""` when the model is the block).
 struct Block {
@@ -89,10 +68,8 @@ fn blocks<M: Module>(model: &M) -> Vec<Block> {
             }
         }
     }
-    LISTED.with(|l| l.borrow_mut().clear());
     let mut paths = Paths::default();
-    state::switched(Mode::List, || model.visit(&mut paths));
-    let listed = LISTED.with(|l| std::mem::take(&mut *l.borrow_mut()));
+    let listed = state::listing(|| model.visit(&mut paths));
     (listed.into_iter().zip(paths.found))
         .map(|(listed, path)| Block { listed, path })
         .collect()

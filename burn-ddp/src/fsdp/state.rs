@@ -4,13 +4,16 @@
 //! (burn's own `load_record`).
 //!
 //! Both go through burn's record machinery with [`Fsdp`](super::Fsdp)'s visit and map switched,
-//! for the current thread, to the whole block ([`mode`]).
+//! for the current thread, to the whole block ([`mode`]); a listing mode has each block say
+//! what its optimizer state is keyed by ([`listing`]).
 
 use std::cell::{Cell, RefCell};
+use std::sync::Arc;
 
 use burn::module::Module;
 use burn::store::ModuleRecord;
 
+use super::Shared;
 use crate::ProcessGroup;
 use crate::error::{DdpError, Result};
 
@@ -30,9 +33,31 @@ pub(super) enum Mode {
     List,
 }
 
+/// One wrapped block as its optimizer entries see it ([`super::optim_state`]).
+pub(super) struct Listed {
+    pub(super) shared: Arc<Shared>,
+    /// The shard's parameter id on this rank.
+    pub(super) shard: u64,
+    /// The block's parameters' ids (those its whole record carries), in layout order.
+    pub(super) params: Vec<u64>,
+}
+
 thread_local! {
     static MODE: Cell<Mode> = const { Cell::new(Mode::Sharded) };
     static FAILED: RefCell<Option<DdpError>> = const { RefCell::new(None) };
+    static LISTED: RefCell<Vec<Listed>> = const { RefCell::new(Vec::new()) };
+}
+
+/// Called by a wrapped block visited in [`Mode::List`].
+pub(super) fn list(block: Listed) {
+    LISTED.with(|l| l.borrow_mut().push(block));
+}
+
+/// Runs `visit` (a visit of a model) in [`Mode::List`]: the wrapped blocks it met, in order.
+pub(super) fn listing(visit: impl FnOnce()) -> Vec<Listed> {
+    LISTED.with(|l| l.borrow_mut().clear());
+    switched(Mode::List, visit);
+    LISTED.with(|l| std::mem::take(&mut *l.borrow_mut()))
 }
 
 /// The mode on this thread.
@@ -62,7 +87,7 @@ pub(super) fn sharded<T>(f: impl FnOnce() -> T) -> T {
 
 /// Runs `f` with the mode `mode` on this thread, the caller's mode restored after it (also
 /// when `f` panics).
-pub(super) fn switched<T>(mode: Mode, f: impl FnOnce() -> T) -> T {
+fn switched<T>(mode: Mode, f: impl FnOnce() -> T) -> T {
     struct Restore(Mode);
     impl Drop for Restore {
         fn drop(&mut self) {
