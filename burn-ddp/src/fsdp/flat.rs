@@ -145,8 +145,16 @@ pub(crate) fn flatten<M: Module>(block: &M, layout: &FlatLayout) -> Tensor<1> {
     }
 }
 
-/// Elements `start..start + len` of `flat` (no autodiff), zeros where that runs past its end.
+/// Elements `start..start + len` of `flat` (no autodiff), zeros where that runs past its end,
+/// in memory of their own: a narrow is a view that would keep the whole of `flat` alive (the
+/// whole block, for as long as the shard it becomes lives: until the first optimizer step).
 pub(crate) fn piece(flat: Tensor<1>, start: usize, len: usize, device: &Device) -> Tensor<1> {
+    let piece = view(flat, start, len, device);
+    Tensor::from_data(piece.into_data(), &device.clone().inner())
+}
+
+/// [`piece`] as a view of `flat` where it lies inside it.
+fn view(flat: Tensor<1>, start: usize, len: usize, device: &Device) -> Tensor<1> {
     let total = flat.dims()[0];
     let (from, to) = (start.min(total), (start + len).min(total));
     let dtype = flat.dtype();
