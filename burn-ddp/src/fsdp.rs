@@ -388,6 +388,7 @@ impl<M: Module> Fsdp<M> {
             None => gather::start(&self.shared, shard.clone().inner()),
         };
         let full = step::wait_exposed(work).unwrap_or_else(|e| panic!("{e}"));
+        let input = input.kept();
         let full = gather::attach(&self.shared, shard, input.anchor(), full);
         let block = self.template.fill(&self.shared.layout, full);
         f(&block, input)
@@ -440,11 +441,27 @@ pub trait FsdpInput {
     /// input itself (not a tensor computed from it): the gather hands it no gradient, so it
     /// must receive one from the block.
     fn anchor(&self) -> Option<DispatchTensor>;
+
+    /// The input as the block gets it: where it is a float tensor tracked by autodiff, passed
+    /// through an operation burn's gradient checkpointing keeps from the forward pass (the
+    /// value is not copied). Without it, burn would rebuild a block's input in backward by
+    /// recomputing what made it, through every earlier block (a transformer's residual
+    /// stream), gathering them all again at once. The default keeps nothing.
+    fn kept(self) -> Self
+    where
+        Self: Sized,
+    {
+        self
+    }
 }
 
 impl<const D: usize> FsdpInput for Tensor<D> {
     fn anchor(&self) -> Option<DispatchTensor> {
         Some(self.clone().into_dispatch())
+    }
+
+    fn kept(self) -> Self {
+        Tensor::from_dispatch(gather::kept(self.into_dispatch()))
     }
 }
 
@@ -460,5 +477,9 @@ impl<const D: usize> FsdpInput for Tensor<D, burn::tensor::Int> {
 impl<A: FsdpInput, B> FsdpInput for (A, B) {
     fn anchor(&self) -> Option<DispatchTensor> {
         self.0.anchor()
+    }
+
+    fn kept(self) -> Self {
+        (self.0.kept(), self.1)
     }
 }

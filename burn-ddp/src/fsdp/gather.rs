@@ -102,6 +102,14 @@ pub(super) trait FsdpBackend: Backend {
         Self::float_zeros(Shape::new([1]), &device, dtype.into())
     }
 
+    /// `input` itself, as a compute-bound operation whose gradient is its output's: under
+    /// gradient checkpointing burn keeps it from the forward pass instead of recomputing it,
+    /// which would recompute the previous blocks (a transformer's residual stream is a chain
+    /// of memory-bound additions of every block's output) and gather them all again.
+    fn fsdp_kept(input: FloatTensor<Self>) -> FloatTensor<Self> {
+        input
+    }
+
     /// `full`, the gathered parameters, as the result of gathering `shard`; `anchor` is the
     /// block's input (a parent only, for the order of backward).
     fn fsdp_gather(
@@ -129,6 +137,17 @@ where
         let out = B::float_zeros(Shape::new([1]), &device, dtype.into());
         AnchorBackward
             .prepare::<C>([parent.node()])
+            .compute_bound()
+            .stateless(out)
+    }
+
+    fn fsdp_kept(input: FloatTensor<Self>) -> FloatTensor<Self> {
+        if !input.is_tracked() {
+            return input;
+        }
+        let out = input.primitive().clone();
+        KeptBackward
+            .prepare::<C>([input.node()])
             .compute_bound()
             .stateless(out)
     }
@@ -197,6 +216,28 @@ impl<B: Backend> Backward<B, 1> for AnchorBackward {
     type State = ();
 
     fn backward(self, _: Ops<Self::State, 1>, _: &mut Gradients, _: &mut Checkpointer) {}
+}
+
+/// The backward step of [`FsdpBackend::fsdp_kept`]: the gradient passes through.
+#[derive(Debug)]
+struct KeptBackward;
+
+impl<B: Backend> Backward<B, 1> for KeptBackward {
+    type State = ();
+
+    fn backward(self, ops: Ops<Self::State, 1>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let [input] = ops.parents;
+        let grad = grads.consume::<B>(&ops.node);
+        if let Some(input) = input {
+            grads.register::<B>(input.id, grad);
+        }
+    }
+}
+
+/// The block's input (a float tensor of any rank) kept from the forward pass
+/// ([`FsdpBackend::fsdp_kept`]).
+pub(super) fn kept(input: DispatchTensor) -> DispatchTensor {
+    <burn::backend::Dispatch as FsdpBackend>::fsdp_kept(input)
 }
 
 /// The backward step of [`FsdpBackend::fsdp_gather`].
