@@ -112,11 +112,7 @@ pub(super) fn all_gather_parts(
             format!("the ranks give {sizes:?} elements of {dtype:?}, the parts say {parts:?}");
         return Err(invalid(rank, "all_gather", reason));
     }
-    // Each rank's piece dropped once copied: the whole is held about once, not twice.
-    let mut bytes = Vec::with_capacity(all.iter().map(Vec::len).sum());
-    for piece in all {
-        bytes.extend_from_slice(&piece);
-    }
+    let bytes = all.concat();
     let n = bytes.len() / elem.max(1);
     let data = TensorData::from_bytes_vec(bytes, [n], dtype);
     Ok(Tensor::from_data(data, (&device, dtype)))
