@@ -16,6 +16,10 @@
 //! block's output, memory-bound) a parent, that walk would go through the previous block's
 //! parameters into its gather, and from there into every earlier block: the first block's
 //! backward would gather every block again and hold them all until each one's own backward.
+//! For the same reason the block's input itself is kept from the forward pass
+//! ([`FsdpBackend::fsdp_kept`], a compute-bound identity): rebuilt in backward, a transformer's
+//! residual stream (memory-bound additions of every block's output) would need every earlier
+//! block's parameters.
 
 use std::marker::PhantomData;
 use std::sync::Arc;
