@@ -65,7 +65,7 @@ use std::sync::Arc;
 
 use burn::backend::DispatchTensor;
 use burn::module::{Module, Param};
-use burn::tensor::Tensor;
+use burn::tensor::{DType, Tensor};
 
 use self::flat::{FlatLayout, Template};
 use crate::error::{DdpError, Result};
@@ -142,6 +142,12 @@ pub struct FsdpConfig {
     /// The block's name in errors and logs (default `block <n>`, `n` counting the blocks this
     /// process wrapped with the group, from 0).
     pub name: Option<String>,
+    /// The element type the block's gradient travels and is averaged in (PyTorch FSDP's
+    /// `MixedPrecision(reduce_dtype=...)`): `None` (the default) for the parameters' own;
+    /// `DType::BF16` or `DType::F16` halve the bytes of the block's reductions, at their
+    /// precision (gradient compression: `DdpLearner::compression` covers the rest of the
+    /// model, not the blocks).
+    pub reduce_dtype: Option<DType>,
 }
 
 impl FsdpConfig {
@@ -159,6 +165,19 @@ impl FsdpConfig {
     /// Names the block in errors and logs.
     pub fn with_name(mut self, name: impl Into<String>) -> Self {
         self.name = Some(name.into());
+        self
+    }
+
+    /// Reduces the block's gradient in `dtype` (see [`Self::reduce_dtype`]).
+    ///
+    /// ```
+    /// use burn::tensor::DType;
+    /// use burn_ddp::fsdp::FsdpConfig;
+    /// let config = FsdpConfig::new().with_reduce_dtype(DType::BF16);
+    /// assert_eq!(config.reduce_dtype, Some(DType::BF16));
+    /// ```
+    pub fn with_reduce_dtype(mut self, dtype: DType) -> Self {
+        self.reduce_dtype = Some(dtype);
         self
     }
 
@@ -185,7 +204,17 @@ impl FsdpConfig {
             reason,
         };
         let layout = FlatLayout::of(&block).map_err(fail)?;
-        agree(group, &name, self.strategy, &layout)?;
+        if let Some(d) = self.reduce_dtype.filter(|d| !d.is_float()) {
+            return Err(fail(format!(
+                "its gradient cannot be reduced in {d:?}: give a float type (BF16, F16, F32, \
+                 F64)"
+            )));
+        }
+        let what = match self.reduce_dtype {
+            Some(d) => format!("{}, reduced in {d:?}", self.strategy.name()),
+            None => self.strategy.name().to_string(),
+        };
+        agree(group, &name, &what, &layout)?;
 
         let device = layout.device.clone();
         let flat = flat::flatten(&block, &layout);
@@ -220,6 +249,7 @@ impl FsdpConfig {
             shared: Arc::new(Shared {
                 name,
                 strategy: self.strategy,
+                reduce_dtype: self.reduce_dtype,
                 layout,
                 shard_len,
                 group: group.clone(),
@@ -229,15 +259,10 @@ impl FsdpConfig {
 }
 
 /// The ranks compare the block's description; a rank that wraps a different block is named.
-fn agree(
-    group: &ProcessGroup,
-    name: &str,
-    strategy: ShardingStrategy,
-    layout: &FlatLayout,
-) -> Result<()> {
+fn agree(group: &ProcessGroup, name: &str, strategy: &str, layout: &FlatLayout) -> Result<()> {
     let mut w = Writer::default();
     w.bytes(name.as_bytes())
-        .bytes(strategy.name().as_bytes())
+        .bytes(strategy.as_bytes())
         .bytes(layout.describe().as_bytes());
     let said = group.all_gather_object(w.buf.clone())?;
     let differing = said.differing();
@@ -284,6 +309,8 @@ pub(crate) struct Shared {
     /// The block's name in errors and logs.
     pub(crate) name: String,
     pub(crate) strategy: ShardingStrategy,
+    /// The element type the gradient is reduced in, if not the parameters'.
+    pub(crate) reduce_dtype: Option<DType>,
     /// Where each parameter lies in the flat vector.
     pub(crate) layout: FlatLayout,
     /// Elements of each rank's shard.

@@ -98,7 +98,7 @@ pub(super) fn backward(
             }
         });
         if let Some(p) = oldest {
-            let done = wait_exposed(p.work)?;
+            let done = restored(&p.block, wait_exposed(p.work)?);
             STEP.with(|s| s.borrow_mut().ready.push((p.node, done, p.block)));
         }
     }
@@ -120,7 +120,7 @@ pub(super) fn backward(
         taken
     });
     for p in in_flight {
-        ready.push((p.node, wait_exposed(p.work)?, p.block));
+        ready.push((p.node, restored(&p.block, wait_exposed(p.work)?), p.block));
     }
     Ok(ready)
 }
@@ -137,9 +137,21 @@ fn start_reduce(block: &Shared, grad: Tensor<1>) -> Work<Tensor<1>> {
         s.reduces += 1;
         s.elements_reduced += block.gathered_len() as u64;
     });
+    let grad = match block.reduce_dtype {
+        Some(dtype) => grad.cast(dtype),
+        None => grad,
+    };
     match block.strategy.shards() {
         true => group.reduce_scatter(grad, ReduceOp::Avg),
         false => group.all_reduce(grad, ReduceOp::Avg),
+    }
+}
+
+/// A block's reduced gradient `done` in the parameters' element type again.
+fn restored(block: &Shared, done: Tensor<1>) -> Tensor<1> {
+    match block.reduce_dtype {
+        Some(_) => done.cast(block.layout.dtype),
+        None => done,
     }
 }
 

@@ -9,7 +9,7 @@ use burn::module::Module;
 use burn::nn::{Linear, LinearConfig};
 use burn::optim::{AdamWConfig, GradientsParams, ModuleOptimizer, OptimizerRecord, SgdConfig};
 use burn::store::ModuleRecord;
-use burn::tensor::{Bytes, Device, Tensor, TensorData};
+use burn::tensor::{Bytes, DType, Device, Tensor, TensorData};
 use burn_ddp::ProcessGroup;
 use burn_ddp::fsdp::{self, Fsdp, FsdpConfig, ShardingStrategy};
 
@@ -70,9 +70,16 @@ impl ShardedNet {
         group: &Arc<ProcessGroup>,
         strategy: ShardingStrategy,
     ) -> burn_ddp::Result<Self> {
+        Self::configured(reference, group, FsdpConfig::new().with_strategy(strategy))
+    }
+
+    fn configured(
+        reference: RefNet,
+        group: &Arc<ProcessGroup>,
+        config: FsdpConfig,
+    ) -> burn_ddp::Result<Self> {
         let mut layers = reference.layers.into_iter();
         let first = layers.next().expect("a first layer");
-        let config = FsdpConfig::new().with_strategy(strategy);
         let layers = layers
             .map(|l| config.init(l, group))
             .collect::<burn_ddp::Result<Vec<_>>>()?;
@@ -157,20 +164,21 @@ fn sharded(
     strategy: ShardingStrategy,
     init: &ModuleRecord,
 ) -> Vec<Vec<f32>> {
-    sharded_on(group, o, strategy, init, Device::flex().autodiff())
+    let config = FsdpConfig::new().with_strategy(strategy);
+    sharded_on(group, o, config, init, Device::flex().autodiff())
 }
 
 fn sharded_on(
     group: ProcessGroup,
     o: Optim,
-    strategy: ShardingStrategy,
+    config: FsdpConfig,
     init: &ModuleRecord,
     device: Device,
 ) -> Vec<Vec<f32>> {
     let group = Arc::new(group);
     let (rank, world) = (group.rank(), group.world_size());
     let plain = RefNet::new(&device).load_record(init.clone());
-    let mut model = ShardedNet::new(plain, &group, strategy).expect("wrap");
+    let mut model = ShardedNet::configured(plain, &group, config).expect("wrap");
     let mut optim = optimizer(o);
     let per = GLOBAL / world;
     for step in 0..STEPS {
@@ -240,7 +248,8 @@ fn full_shard_under_gradient_checkpointing_trains_as_one_process() {
         let want = reference(o, &init);
         let got = run_world(2, options(60), |g| {
             let before = fsdp::stats();
-            let state = sharded_on(g, o, ShardingStrategy::FullShard, &init, checkpointed());
+            let config = FsdpConfig::new().with_strategy(ShardingStrategy::FullShard);
+            let state = sharded_on(g, o, config, &init, checkpointed());
             (state, (fsdp::stats() - before).gathers)
         });
         for (rank, (state, gathers)) in got.iter().enumerate() {
@@ -253,6 +262,49 @@ fn full_shard_under_gradient_checkpointing_trains_as_one_process() {
             let want = STEPS as u64 * 2 * 2 + 2;
             assert_eq!(*gathers, want, "{o:?}: rank {rank}'s gathers");
         }
+    }
+}
+
+/// Blocks whose gradients are reduced in bf16 (`with_reduce_dtype`, gradient compression)
+/// train close to one process, at bf16's precision, and not as exactly as in f32; ranks that
+/// reduce in different types are refused, naming the block.
+#[test]
+fn blocks_reduced_in_bf16_train_close_to_one_process() {
+    let init = initial_record();
+    let want = reference(Optim::SgdMomentum, &init).concat();
+    let error = |dtype: Option<DType>| {
+        let got = run_world(2, options(60), |g| {
+            let mut config = FsdpConfig::new();
+            config.reduce_dtype = dtype;
+            let device = Device::flex().autodiff();
+            sharded_on(g, Optim::SgdMomentum, config, &init, device).concat()
+        });
+        (got.iter().map(|state| max_relative_error(state, &want))).fold(0.0, f64::max)
+    };
+    let (f32_err, bf16_err) = (error(None), error(Some(DType::BF16)));
+    eprintln!("largest relative error: reduced in f32 {f32_err:e}, in bf16 {bf16_err:e}");
+    assert!(bf16_err < 1e-2, "bf16: {bf16_err:e}");
+    assert!(
+        bf16_err > 10.0 * f32_err.max(1e-8),
+        "bf16 ({bf16_err:e}) should be coarser than f32 ({f32_err:e})"
+    );
+    let refused = run_world(2, options(30), |g| {
+        let group = Arc::new(g);
+        let config = match group.rank() {
+            1 => FsdpConfig::new().with_reduce_dtype(DType::BF16),
+            _ => FsdpConfig::new(),
+        };
+        let block = LinearConfig::new(3, 2).init(&Device::flex());
+        config
+            .init(block, &group)
+            .expect_err("different types")
+            .to_string()
+    });
+    for (rank, e) in refused.iter().enumerate() {
+        assert!(
+            e.contains("rank 1 wraps block 0, full, reduced in BF16"),
+            "rank {rank}: {e}"
+        );
     }
 }
 
