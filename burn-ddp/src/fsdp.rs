@@ -78,6 +78,7 @@ pub(crate) use optim_state::{shard_ids, shard_state, whole_state};
 pub use state::{full_record, load_full_record};
 pub(crate) use state::{loading_whole, replicated, saving_whole};
 pub use step::{FsdpStats, stats};
+pub(crate) use step::{Wait, recording_waits};
 
 /// How a wrapped block's parameters, gradients and optimizer state are divided over the ranks
 /// (PyTorch's `ShardingStrategy`).
@@ -414,7 +415,7 @@ impl<M: Module> Fsdp<M> {
             Some(Prefetched(work)) => work,
             None => gather::start(&self.shared, shard.clone().inner()),
         };
-        let full = step::wait_exposed(work).unwrap_or_else(|e| panic!("{e}"));
+        let full = step::wait_exposed(work, Wait::Gather).unwrap_or_else(|e| panic!("{e}"));
         let input = input.kept();
         let full = gather::attach(&self.shared, shard, input.anchor(), full);
         let block = self.template.fill(&self.shared.layout, full);

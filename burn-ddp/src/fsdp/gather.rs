@@ -207,7 +207,7 @@ where
         let shard = Tensor::<1>::from_primitive::<B>(shard);
         step::regathered(&self.call.shared);
         let work = start(&self.call.shared, shard);
-        let full = step::wait_exposed(work).unwrap_or_else(|e| panic!("{e}"));
+        let full = step::wait_exposed(work, step::Wait::Gather).unwrap_or_else(|e| panic!("{e}"));
         states.save(out_node, primitive::<B>(&self.call.shared, full));
     }
 }

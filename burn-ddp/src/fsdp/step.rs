@@ -98,7 +98,7 @@ pub(super) fn backward(
             }
         });
         if let Some(p) = oldest {
-            let done = restored(&p.block, wait_exposed(p.work)?);
+            let done = restored(&p.block, wait_exposed(p.work, Wait::Reduce)?);
             STEP.with(|s| s.borrow_mut().ready.push((p.node, done, p.block)));
         }
     }
@@ -120,7 +120,11 @@ pub(super) fn backward(
         taken
     });
     for p in in_flight {
-        ready.push((p.node, restored(&p.block, wait_exposed(p.work)?), p.block));
+        ready.push((
+            p.node,
+            restored(&p.block, wait_exposed(p.work, Wait::Reduce)?),
+            p.block,
+        ));
     }
     Ok(ready)
 }
@@ -155,11 +159,62 @@ fn restored(block: &Shared, done: Tensor<1>) -> Tensor<1> {
     }
 }
 
-/// Waits for `work`, counting the time as communication the step waited for.
-pub(super) fn wait_exposed<T: Send + 'static>(work: Work<T>) -> Result<T> {
+/// What the training thread waits for inside the wrapped blocks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Wait {
+    /// A block's parameters (a gather in forward, or again in backward).
+    Gather,
+    /// A block's gradient (its reduce-scatter or all-reduce).
+    Reduce,
+}
+
+impl Wait {
+    /// The wait's name in traces.
+    pub(crate) fn name(self) -> &'static str {
+        match self {
+            Wait::Gather => "fsdp: waiting for a gather",
+            Wait::Reduce => "fsdp: waiting for a reduction",
+        }
+    }
+}
+
+/// One wait of the training thread: what for, from when to when.
+pub(crate) type Waited = (Wait, Instant, Instant);
+
+thread_local! {
+    /// The waits recorded on this thread, while [`recording_waits`] records them.
+    static WAITS: RefCell<Option<Vec<Waited>>> = const { RefCell::new(None) };
+}
+
+/// Runs `f` recording each wait inside the wrapped blocks on this thread (for a trace): its
+/// result and the waits.
+pub(crate) fn recording_waits<T>(f: impl FnOnce() -> T) -> (T, Vec<Waited>) {
+    struct Stop;
+    impl Drop for Stop {
+        fn drop(&mut self) {
+            WAITS.with(|w| w.borrow_mut().take());
+        }
+    }
+    WAITS.with(|w| *w.borrow_mut() = Some(Vec::new()));
+    let stop = Stop;
+    let out = f();
+    let waits = WAITS.with(|w| w.borrow_mut().take()).unwrap_or_default();
+    drop(stop);
+    (out, waits)
+}
+
+/// Waits for `work`, counting the time as communication the step waited for (and recording
+/// it, while [`recording_waits`] does).
+pub(super) fn wait_exposed<T: Send + 'static>(work: Work<T>, what: Wait) -> Result<T> {
     let start = Instant::now();
     let out = work.wait();
-    count(|s| s.exposed += start.elapsed());
+    let end = Instant::now();
+    count(|s| s.exposed += end - start);
+    WAITS.with(|w| {
+        if let Some(waits) = w.borrow_mut().as_mut() {
+            waits.push((what, start, end));
+        }
+    });
     out
 }
 

@@ -407,12 +407,14 @@ fn a_nan_in_one_ranks_shard_gradient_stops_every_rank() {
 }
 
 /// Rank 1 sleeps 60 ms before each forward pass. In a network whose layers are all wrapped
-/// (so no gradient bucket), rank 0 waits for it inside the blocks' gathers: that is its exposed
-/// communication, and not its compute, so rank 1 is the straggler.
+/// (so no gradient bucket), rank 0 waits for it inside the blocks (their reductions): that is its exposed
+/// communication, and not its compute, so rank 1 is the straggler. Each rank's trace shows
+/// every wait inside the blocks.
 #[test]
 fn the_wait_inside_wrapped_blocks_is_exposed_communication() {
     let device = flex();
     let slow = Duration::from_millis(60);
+    let dir = std::env::temp_dir().join(format!("burn-ddp-fsdp-trace-{}", std::process::id()));
     let results = train_ranks(
         (2, 1, (DATA, DATA / 2)),
         |group| {
@@ -421,7 +423,8 @@ fn the_wait_inside_wrapped_blocks_is_exposed_communication() {
             }
             let model = FsdpNet::new(group, ShardingStrategy::NoShard, 0, &device);
             let learner =
-                DdpLearner::with_group(group.clone(), model, optimizer(Optim::SgdMomentum), LR);
+                DdpLearner::with_group(group.clone(), model, optimizer(Optim::SgdMomentum), LR)
+                    .profile(&dir);
             TELEMETRY.set(Some(learner.telemetry().clone()));
             learner
         },
@@ -448,6 +451,34 @@ fn the_wait_inside_wrapped_blocks_is_exposed_communication() {
         by_1 * 2 > n,
         "rank 1 is the straggler in most steps: {slowest:?}"
     );
+    // Each step waits once for each block's gather (forward) and reduction (backward).
+    let blocks = WIDTHS.len() - 1;
+    for rank in 0..2 {
+        let text = std::fs::read_to_string(dir.join(format!("rank-{rank}.json")))
+            .expect("a trace per rank");
+        let trace: serde_json::Value = serde_json::from_str(&text).expect("valid JSON");
+        let events = trace["traceEvents"].as_array().expect("traceEvents");
+        let spans = |name: &str| -> Vec<f64> {
+            (events.iter())
+                .filter(|e| e["ph"] == "X" && e["name"] == name)
+                .map(|e| e["dur"].as_f64().unwrap_or(0.0))
+                .collect()
+        };
+        let gathers = spans("fsdp: waiting for a gather");
+        let reductions = spans("fsdp: waiting for a reduction");
+        assert_eq!(spans("forward+backward").len(), n, "rank {rank}");
+        assert_eq!(gathers.len(), n * blocks, "rank {rank}: gather waits");
+        assert_eq!(reductions.len(), n * blocks, "rank {rank}: reduction waits");
+        if rank == 0 {
+            // Rank 0 waits for the slow rank 1 in its first reduction of each step.
+            let waited_ms = reductions.iter().sum::<f64>() / 1e3;
+            assert!(
+                waited_ms >= 30.0 * n as f64,
+                "rank 0 waited {waited_ms} ms in {n} steps' reductions"
+            );
+        }
+    }
+    let _ = std::fs::remove_dir_all(&dir);
 }
 
 thread_local! {

@@ -116,13 +116,21 @@ where
         let (item, grads) = match batch {
             Batch::Item(item) => {
                 let (started, blocks) = (Instant::now(), crate::fsdp::stats());
-                let out = learner.train_step(item);
+                let trace = self.strategy.trace.as_deref();
+                let (out, waits) = match trace {
+                    Some(_) => crate::fsdp::recording_waits(|| learner.train_step(item)),
+                    None => (learner.train_step(item), Vec::new()),
+                };
                 let done = Instant::now();
                 let waited = (crate::fsdp::stats() - blocks).exposed.as_secs_f64();
                 self.exposed += waited;
                 self.compute += ((done - started).as_secs_f64() - waited).max(0.0);
-                if let Some(trace) = self.strategy.trace.as_deref() {
+                if let Some(trace) = trace {
                     trace.span(Span::named("forward+backward"), COMPUTE, started, done);
+                    // The waits inside wrapped blocks, within the pass.
+                    for (what, from, to) in waits {
+                        trace.span(Span::named(what.name()), COMPUTE, from, to);
+                    }
                 }
                 (Some(out.item), Some(out.grads))
             }
