@@ -135,6 +135,24 @@ pub(crate) fn first_block<M: Module>(module: &M) -> Option<String> {
     find.found
 }
 
+/// Each wrapped block's gradient in `grads` on this rank (its shard's), in visit order, and
+/// whether it is a piece of the block (sharded) or the whole block, the same on every rank
+/// ([`super::ShardingStrategy::NoShard`]).
+pub(crate) fn block_gradients<M: Module>(
+    module: &M,
+    grads: &GradientsParams,
+) -> Vec<(Tensor<1>, bool)> {
+    struct Nothing;
+    impl ModuleVisitor for Nothing {}
+    let listed = state::listing(|| module.visit(&mut Nothing));
+    (listed.iter())
+        .filter_map(|b| {
+            let grad = grads.get::<1>(burn::module::ParamId::from(b.shard))?;
+            Some((grad, b.shared.strategy.shards()))
+        })
+        .collect()
+}
+
 /// The gradients in `grads` of every shard in `module`, flattened, in visit order.
 pub(crate) fn shard_gradients<M: Module>(module: &M, grads: &GradientsParams) -> Vec<Tensor<1>> {
     struct Find<'a> {

@@ -197,6 +197,16 @@ impl<M: LearnerModel> DdpLearner<M> {
         self
     }
 
+    /// Clips the averaged gradients by their global L2 norm, at most `max`, before each
+    /// optimizer step (PyTorch's `clip_grad_norm_`): the norm over every trainable parameter of
+    /// the model, the shards of wrapped blocks ([`crate::fsdp`]) and the parts other ranks own
+    /// under ZeRO included, the same on every rank. burn's own `GradientClippingConfig::Norm`
+    /// clips each tensor by its own norm (a wrapped block's shard by the shard's).
+    pub fn clip_grad_norm(mut self, max: f32) -> Self {
+        self.shared.clip_grad_norm = Some(max);
+        self
+    }
+
     /// What a NaN or an infinity in some rank's gradients comes to (default
     /// [`NonFinite::Stop`]: every rank stops with an error naming the rank(s), the epoch and the
     /// step, before the optimizer applies them). [`NonFinite::SkipStep`] skips the optimizer
@@ -260,6 +270,10 @@ impl<M: LearnerModel> DdpLearner<M> {
             .compression(shared.compression)
             .non_finite(shared.non_finite)
             .sharding(shared.sharding);
+        let reducer = match shared.clip_grad_norm {
+            Some(max) => reducer.clip_grad_norm(max),
+            None => reducer,
+        };
         reducer.log_ownership();
         // The parameters another rank owns take the values their owner sends.
         let optim = match reducer.not_owned_paths() {

@@ -31,6 +31,7 @@
 //! Communication therefore overlaps with packing and unpacking, not with backward.
 
 pub(crate) mod bucket;
+mod clip;
 pub(crate) mod compression;
 pub(crate) mod fingerprint;
 pub(crate) mod non_finite;
@@ -80,6 +81,8 @@ pub struct GradientReducer {
     /// with the gradients sharded `plan` is then the owners' plan (ZeRO-1 keeps plain DDP's).
     sharding: Sharding,
     owners: Option<Owners>,
+    /// The largest global norm of the averaged gradients, if they are clipped.
+    clip_norm: Option<f32>,
 }
 
 /// A bucket's reduction under way, and when it was sent.
@@ -131,8 +134,21 @@ impl GradientReducer {
     }
 
     /// [`GradientReducer::reduce_at`] at `(epoch, step)`, measured: the step's packing and
-    /// communication figures (its `compute` left 0), and each bucket's spans in `trace`.
+    /// communication figures (its `compute` left 0), and each bucket's spans in `trace`. The
+    /// averaged gradients are then clipped by their global norm, if a limit is set.
     pub(crate) fn reduce_traced<M: Module>(
+        &self,
+        model: &M,
+        grads: GradientsParams,
+        at: (usize, usize),
+        trace: Option<&Trace>,
+    ) -> Result<(GradientsParams, StepStats)> {
+        let (grads, stats) = self.average(model, grads, at, trace)?;
+        Ok((self.clip(model, grads)?, stats))
+    }
+
+    /// The averaging of [`GradientReducer::reduce_traced`].
+    fn average<M: Module>(
         &self,
         model: &M,
         mut grads: GradientsParams,

@@ -12,6 +12,7 @@ use burn::store::ModuleRecord;
 use burn::tensor::{Bytes, DType, Device, Tensor, TensorData};
 use burn_ddp::ProcessGroup;
 use burn_ddp::fsdp::{self, Fsdp, FsdpConfig, ShardingStrategy};
+use burn_ddp::train::{BucketConfig, GradientReducer, Sharding};
 
 use crate::common::{max_relative_error, options, run_world, value};
 
@@ -305,6 +306,89 @@ fn blocks_reduced_in_bf16_train_close_to_one_process() {
             e.contains("rank 1 wraps block 0, full, reduced in BF16"),
             "rank {rank}: {e}"
         );
+    }
+}
+
+/// `GradientReducer::clip_grad_norm` clips by the norm of the whole model, shards included
+/// (under every strategy, and with the replicated layer's gradients owned under ZeRO-1): one SGD
+/// step of the wrapped model at world 2 (each rank half the batch, the replicated layer
+/// averaged by the reducer) is the one-process step on the whole batch whose gradients were
+/// scaled by hand to the limit, a quarter of their norm.
+#[test]
+fn gradients_are_clipped_by_the_global_norm_of_the_whole_model() {
+    let init = initial_record();
+    let device = Device::flex().autodiff();
+    let sgd = || SgdConfig::new().init();
+    let model = RefNet::new(&device).load_record(init.clone());
+    let (x, y) = batch(0, 0..GLOBAL, &device);
+    let loss = (model.forward(x) - y).square().mean();
+    let mut grads = GradientsParams::from_grads(loss.backward(), &model);
+    let mut squares = 0.0f64;
+    for l in &model.layers {
+        let w = grads.get::<2>(l.weight.id).expect("a weight gradient");
+        let bias = l.bias.as_ref().expect("bias");
+        let b = grads.get::<1>(bias.id).expect("a bias gradient");
+        let w = w.into_data().try_to_vec::<f32>().expect("f32");
+        let b = b.into_data().try_to_vec::<f32>().expect("f32");
+        squares += w
+            .iter()
+            .chain(&b)
+            .map(|v| f64::from(*v).powi(2))
+            .sum::<f64>();
+    }
+    let max = (squares.sqrt() / 4.0) as f32;
+    let scale = max / (squares.sqrt() as f32 + 1e-6);
+    for l in &model.layers {
+        let w = grads.remove::<2>(l.weight.id).expect("a weight gradient");
+        grads.register::<2>(l.weight.id, w.mul_scalar(scale));
+        let bias = l.bias.as_ref().expect("bias");
+        let b = grads.remove::<1>(bias.id).expect("a bias gradient");
+        grads.register::<1>(bias.id, b.mul_scalar(scale));
+    }
+    let want = sgd().step(0.05, model.clone(), grads).state().concat();
+    let unclipped = {
+        let (x, y) = batch(0, 0..GLOBAL, &device);
+        let loss = (model.forward(x) - y).square().mean();
+        let grads = GradientsParams::from_grads(loss.backward(), &model);
+        sgd().step(0.05, model, grads).state().concat()
+    };
+    assert!(
+        max_relative_error(&unclipped, &want) > 1e-3,
+        "clipping changes the step"
+    );
+
+    let runs = [
+        (ShardingStrategy::FullShard, Sharding::None),
+        (ShardingStrategy::ShardGradOp, Sharding::None),
+        (ShardingStrategy::NoShard, Sharding::None),
+        (ShardingStrategy::FullShard, Sharding::Optimizer),
+    ];
+    for (strategy, zero) in runs {
+        let got = run_world(2, options(60), |g| {
+            let group = Arc::new(g);
+            let device = Device::flex().autodiff();
+            let plain = RefNet::new(&device).load_record(init.clone());
+            let model = ShardedNet::new(plain, &group, strategy).expect("wrap");
+            let reducer = GradientReducer::new(&model, group.clone(), BucketConfig::default())
+                .expect("reducer")
+                .sharding(zero)
+                .clip_grad_norm(max);
+            let half = GLOBAL / 2;
+            let (x, y) = batch(0, group.rank() * half..(group.rank() + 1) * half, &device);
+            let loss = (model.forward(x) - y).square().mean();
+            let grads = GradientsParams::from_grads(loss.backward(), &model);
+            let grads = reducer.reduce(&model, grads).expect("reduce");
+            let model = sgd().step(0.05, model, grads);
+            let model = reducer.share_parameters(model).expect("share");
+            model.state().concat()
+        });
+        for (rank, state) in got.iter().enumerate() {
+            let err = max_relative_error(state, &want);
+            assert!(
+                err < 1e-5,
+                "{strategy:?}, {zero}: rank {rank} is {err:e} from the clipped step"
+            );
+        }
     }
 }
 

@@ -29,6 +29,8 @@ pub(crate) struct SharedSettings {
     pub sharding: Sharding,
     /// Bucket sizes: the buckets, and with sharding who owns which parameter.
     pub buckets: BucketConfig,
+    /// The largest global norm of the gradients, if clipped.
+    pub clip_grad_norm: Option<f32>,
     /// The user's own settings, by name.
     pub user: Vec<(String, String)>,
 }
@@ -44,6 +46,7 @@ impl Default for SharedSettings {
             non_finite: NonFinite::default(),
             sharding: Sharding::default(),
             buckets: BucketConfig::default(),
+            clip_grad_norm: None,
             user: Vec::new(),
         }
     }
@@ -62,6 +65,7 @@ impl SharedSettings {
             non_finite,
             sharding,
             buckets,
+            clip_grad_norm,
             user,
         } = self;
         let learner = [
@@ -76,6 +80,10 @@ impl SharedSettings {
             (
                 "first_bucket_cap_bytes",
                 buckets.first_cap_bytes.to_string(),
+            ),
+            (
+                "clip_grad_norm",
+                clip_grad_norm.map_or("none".into(), |m| m.to_string()),
             ),
         ];
         let mut all = user.clone();
@@ -107,7 +115,8 @@ mod tests {
                 "non_finite",
                 "sharding",
                 "bucket_cap_bytes",
-                "first_bucket_cap_bytes"
+                "first_bucket_cap_bytes",
+                "clip_grad_norm"
             ]
         );
         assert_eq!(entries[5].1, Compression::Bf16.to_string());

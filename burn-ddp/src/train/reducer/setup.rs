@@ -42,6 +42,7 @@ impl GradientReducer {
             non_finite: NonFinite::default(),
             sharding: Sharding::None,
             owners: None,
+            clip_norm: None,
         })
     }
 
@@ -77,6 +78,15 @@ impl GradientReducer {
     /// same).
     pub fn compression(mut self, compression: Compression) -> Self {
         self.compression = compression;
+        self
+    }
+
+    /// Clips the averaged gradients by their global L2 norm, at most `max` (PyTorch's
+    /// `clip_grad_norm_` after backward): the norm over every trainable parameter, shards of
+    /// wrapped blocks included, the same on every rank (one all-reduce of a number per step);
+    /// above `max` every gradient is scaled by `max / norm`. Every rank must choose the same.
+    pub fn clip_grad_norm(mut self, max: f32) -> Self {
+        self.clip_norm = Some(max);
         self
     }
 

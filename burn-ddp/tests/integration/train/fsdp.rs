@@ -29,6 +29,7 @@ use burn_ddp::train::{
 };
 
 mod checkpoints;
+mod clipping;
 
 use super::model::{DATA, Points, Rows, ToRows, flex};
 use super::{assert_identical, relative_error};
