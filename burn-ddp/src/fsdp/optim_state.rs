@@ -110,13 +110,16 @@ fn take_entries(parts: &mut Parts, n: usize, of: impl Fn(u64) -> Option<usize>) 
 /// `record` (this rank's optimizer's) with every wrapped block's shard entries replaced: on
 /// `keep`'s rank (rank 0 of a checkpoint), by the entries of the block's parameters, whole; on
 /// the others by nothing. A collective: every rank of `group` calls it with its own record
-/// (`Err` when it has none, for the others to fail alike).
+/// (`Err` when it has none, for the others to fail alike). The outer error is one every rank
+/// meets together (a collective's, or a disagreement found before the gathers); the inner one,
+/// this rank's alone after them (every rank went through every gather), for the caller to
+/// hand on without leaving the others waiting.
 pub(crate) fn whole_state<M: Module>(
     model: &M,
     group: &ProcessGroup,
     record: std::result::Result<&[u8], String>,
     keep: bool,
-) -> Result<Vec<u8>> {
+) -> Result<std::result::Result<Vec<u8>, String>> {
     let blocks = blocks(model);
     let index: HashMap<u64, usize> = (blocks.iter().enumerate())
         .map(|(i, b)| (b.listed.shard, i))
@@ -128,7 +131,7 @@ pub(crate) fn whole_state<M: Module>(
     // Every rank says what state its shards have (or why it cannot): the gathers below need
     // the same fields, of the same shard lengths, on every rank.
     let described = match &taken {
-        Ok((_, entries)) => describe(&blocks, entries),
+        Ok((parts, entries)) => describe(&blocks, parts, entries),
         Err(e) => Err(e.clone()),
     };
     let mut w = Writer::default();
@@ -159,13 +162,17 @@ pub(crate) fn whole_state<M: Module>(
     let Ok((mut parts, entries)) = taken else {
         unreachable!("every rank said its state")
     };
+    // This rank's first failure after the agreement: it goes on through every gather.
+    let mut failed: Option<String> = None;
     for (block, entries) in blocks.iter().zip(entries) {
         let shared = &block.listed.shared;
         for (field, tensor) in entries.tensors {
-            let (_, dtype, _, _, bytes) = tensor
-                .into_parts()
-                .map_err(|e| block.error(format!("its optimizer state {field}: {e}")))?;
-            let n = shared.shard_len;
+            let (dtype, n) = (tensor.dtype, shared.shard_len);
+            let bytes = tensor.into_parts().map(|p| p.4).unwrap_or_else(|e| {
+                let e = block.error(format!("its optimizer state {field}: {e}"));
+                failed.get_or_insert(e.to_string());
+                Bytes::from_bytes_vec(vec![0; n * dtype.size()])
+            });
             let device = shared.layout.device.clone().inner();
             let local = Tensor::<1>::from_data(TensorData::from_bytes(bytes, [n], dtype), &device);
             let work = match shared.strategy.shards() && shared.group.world_size() > 1 {
@@ -177,6 +184,14 @@ pub(crate) fn whole_state<M: Module>(
                 continue;
             }
             let whole = whole.into_data();
+            if whole.dtype() != dtype {
+                let e = block.error(format!(
+                    "its optimizer state {field} of {dtype:?} came back from its gather as {:?}",
+                    whole.dtype()
+                ));
+                failed.get_or_insert(e.to_string());
+                continue;
+            }
             let size = dtype.size();
             for (i, p) in shared.layout.params.iter().enumerate() {
                 let id = block.listed.params[i];
@@ -204,12 +219,44 @@ pub(crate) fn whole_state<M: Module>(
             }
         }
     }
-    records::write(parts).map_err(|e| fail(group, e))
+    Ok(match failed {
+        Some(e) => Err(e),
+        None => records::write(parts),
+    })
 }
 
 /// What `entries` hold of each block: each state tensor's field, type and length; why not,
-/// when a tensor is not of the shard's length.
-fn describe(blocks: &[Block], entries: &[Entries]) -> std::result::Result<String, String> {
+/// when a tensor is not of the shard's length, or when two parameters would be written under
+/// one id (blocks cloned from one module share their parameters' ids; an optimizer already
+/// holding state under a block parameter's id, from a whole record loaded as it is).
+fn describe(
+    blocks: &[Block],
+    parts: &Parts,
+    entries: &[Entries],
+) -> std::result::Result<String, String> {
+    let mut ids: HashMap<u64, String> = HashMap::new();
+    for block in blocks {
+        for (i, id) in block.listed.params.iter().enumerate() {
+            let path = block.param_path(i);
+            if let Some(other) = ids.insert(*id, path.clone()) {
+                return Err(format!(
+                    "{other} and {path} have one parameter id ({id}): blocks wrapped from clones \
+                     of one module share their parameters' ids; build each block on its own"
+                ));
+            }
+        }
+    }
+    let kept = (parts.tensors.iter().filter_map(|t| t.param_id))
+        .chain(parts.scalars.iter().filter_map(|(k, _)| records::key_id(k)));
+    for id in kept {
+        if let Some(path) = ids.get(&id) {
+            return Err(format!(
+                "the optimizer holds state of {path} as a parameter of its own (id {id}), \
+                 besides its block's shard: load a whole optimizer record with \
+                 fsdp::load_full_optimizer_record, not as it is"
+            ));
+        }
+    }
     let mut out = Vec::new();
     for (block, entries) in blocks.iter().zip(entries) {
         let shard = block.listed.shared.shard_len;
@@ -253,6 +300,10 @@ pub(crate) fn shard_state<M: Module>(model: &M, record: &[u8]) -> Result<Vec<u8>
         .collect();
     let first = &blocks[0];
     let mut parts = records::read(record).map_err(|e| first.error(e))?;
+    // Where the record says each parameter with state is (`{id}` -> module path).
+    let paths: HashMap<String, String> = (parts.metadata.iter())
+        .map(|(id, path)| (path.clone(), id.clone()))
+        .collect();
     let mut taken = take_entries(&mut parts, flat.len(), |id| index.get(&id).copied()).into_iter();
     let by_param: Vec<Vec<Entries>> = (blocks.iter())
         .map(|b| taken.by_ref().take(b.listed.params.len()).collect())
@@ -260,6 +311,20 @@ pub(crate) fn shard_state<M: Module>(model: &M, record: &[u8]) -> Result<Vec<u8>
     for (block, params) in blocks.iter().zip(by_param) {
         let shared = &block.listed.shared;
         let shard = block.listed.shard;
+        // State of a block parameter under another id: the model was not loaded from the
+        // record saved with this one, and its state would be lost without a word.
+        for (i, p) in params.iter().enumerate() {
+            let path = block.param_path(i);
+            let other = paths.get(&path).filter(|_| p.tensors.is_empty());
+            if let Some(id) = other {
+                return Err(block.error(format!(
+                    "the optimizer record holds state of {path} under parameter id {id}, not \
+                     the model's {}: load the model from the record saved with this one first \
+                     (fsdp::load_full_record)",
+                    block.listed.params[i]
+                )));
+            }
+        }
         let fields: std::collections::BTreeSet<&String> =
             params.iter().flat_map(|p| p.tensors.keys()).collect();
         for field in fields {
@@ -353,7 +418,8 @@ pub fn full_optimizer_record<M: Module>(
         .into_bytes()
         .map(|b| b.to_vec())
         .map_err(|e| e.to_string());
-    let whole = whole_state(model, group, bytes.as_deref().map_err(Clone::clone), keep)?;
+    let whole = whole_state(model, group, bytes.as_deref().map_err(Clone::clone), keep)?
+        .map_err(|e| fail(group, e))?;
     match keep {
         true => OptimizerRecord::from_bytes(Bytes::from_bytes_vec(whole))
             .map(Some)

@@ -141,13 +141,18 @@ fn start_reduce(block: &Shared, grad: Tensor<1>) -> Work<Tensor<1>> {
         s.reduces += 1;
         s.elements_reduced += block.gathered_len() as u64;
     });
-    let grad = match block.reduce_dtype {
-        Some(dtype) => grad.cast(dtype),
-        None => grad,
+    // In a narrower type, divided by the world size before it travels and summed: a sum of f16
+    // values could pass f16's range where their average does not.
+    let (grad, op) = match block.reduce_dtype {
+        Some(dtype) => {
+            let world = group.world_size() as f32;
+            (grad.div_scalar(world).cast(dtype), ReduceOp::Sum)
+        }
+        None => (grad, ReduceOp::Avg),
     };
     match block.strategy.shards() {
-        true => group.reduce_scatter(grad, ReduceOp::Avg),
-        false => group.all_reduce(grad, ReduceOp::Avg),
+        true => group.reduce_scatter(grad, op),
+        false => group.all_reduce(grad, op),
     }
 }
 

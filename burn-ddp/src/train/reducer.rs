@@ -199,6 +199,9 @@ impl GradientReducer {
             .map(|b| scatter.map_or(0..self.plan.buckets[b].len, |o| o.window(b)))
             .collect();
         let mut reduced = self.unpack(at, averaged, &windows, &trailers)?;
+        if reduced.is_empty() && !self.params.is_empty() {
+            return Ok((GradientsParams::new(), stats));
+        }
         if let Some(owners) = &self.owners {
             owners.keep_own(&mut reduced);
         }
@@ -365,7 +368,7 @@ impl GradientReducer {
 
     /// Checks the fingerprints and the non-finite slots in the summed `trailers` and hands out the
     /// averaged gradients (`grads`, one tensor per bucket, covering the elements `windows` of
-    /// it) some rank produced: none when the step is skipped for non-finite gradients.
+    /// it) some rank produced: an empty list when the step is skipped for non-finite gradients.
     fn unpack(
         &self,
         at: (usize, usize),
@@ -405,7 +408,9 @@ impl GradientReducer {
             if let Some(e) = self.non_finite.decide(self.group.rank(), &culprits, at) {
                 return Err(e);
             }
-            return Ok(vec![None; self.params.len()]);
+            // The step is skipped: no gradient at all (nothing of it, not even the gradients
+            // of wrapped blocks, reaches the optimizer).
+            return Ok(Vec::new());
         }
         Ok(out)
     }

@@ -571,6 +571,14 @@ fn the_full_record_loads_unwrapped_and_at_another_world_size() {
         device.seed(99 + group.rank() as u64);
         let fresh = ShardedNet::new(RefNet::new(&device), &group, ShardingStrategy::FullShard)
             .expect("wrap");
+        // The optimizer record before the model's: refused, the blocks' ids are not the record's.
+        let e = fsdp::load_full_optimizer_record(&fresh, optim(), &group)
+            .expect_err("a model not loaded from the record")
+            .to_string();
+        assert!(
+            e.contains("load the model from the record saved with this one"),
+            "{e}"
+        );
         let loaded = fsdp::load_full_record(fresh, record.clone(), &group).expect("load");
         let state = loaded.state();
         let mine = fsdp::load_full_optimizer_record(&loaded, optim(), &group)

@@ -9,13 +9,15 @@
 //! replicated parameter over the world size), its shard of each sharded block, and a
 //! `NoShard` block over the world size. One all-reduce of that sum gives every rank the total.
 
+use std::collections::HashSet;
+
 use burn::module::{Module, ModuleVisitor, Param};
 use burn::optim::GradientsParams;
 use burn::tensor::{DType, Tensor};
 
 use super::GradientReducer;
 use crate::ReduceOp;
-use crate::error::Result;
+use crate::error::{DdpError, Result};
 
 impl GradientReducer {
     /// Clips by the global norm the limit set with [`GradientReducer::clip_grad_norm`] (nothing
@@ -29,11 +31,18 @@ impl GradientReducer {
         let Some(max) = self.clip_norm else {
             return Ok(grads);
         };
+        if !(max.is_finite() && max > 0.0) {
+            return Err(DdpError::InvalidConfig(format!(
+                "rank {}: clip_grad_norm({max}): the largest norm must be a finite number above 0",
+                self.group.rank()
+            )));
+        }
         let world = self.group.world_size();
         let owned = self.owned_ids(model);
         let mut squares = Squares {
             grads: &grads,
             owned: owned.as_ref(),
+            seen: HashSet::new(),
             whole: Vec::new(),
             shared: Vec::new(),
         };
@@ -66,6 +75,7 @@ impl GradientReducer {
         let mut scaled = Scale {
             grads,
             scale: scale as f32,
+            seen: HashSet::new(),
         };
         model.visit(&mut scaled);
         Ok(scaled.grads)
@@ -91,13 +101,18 @@ fn total(sums: Vec<Tensor<1>>) -> f64 {
 /// (it owns them under ZeRO), `shared` those every rank counts alike.
 struct Squares<'a> {
     grads: &'a GradientsParams,
-    owned: Option<&'a std::collections::HashSet<u64>>,
+    owned: Option<&'a HashSet<u64>>,
+    /// Parameters counted (one reached twice, tied, counts once).
+    seen: HashSet<u64>,
     whole: Vec<Tensor<1>>,
     shared: Vec<Tensor<1>>,
 }
 
 impl ModuleVisitor for Squares<'_> {
     fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+        if !self.seen.insert(param.id.val()) {
+            return;
+        }
         let Some(grad) = self.grads.get::<D>(param.id) else {
             return;
         };
@@ -113,10 +128,15 @@ impl ModuleVisitor for Squares<'_> {
 struct Scale {
     grads: GradientsParams,
     scale: f32,
+    /// Parameters scaled (one reached twice, tied, is scaled once).
+    seen: HashSet<u64>,
 }
 
 impl ModuleVisitor for Scale {
     fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+        if !self.seen.insert(param.id.val()) {
+            return;
+        }
         if let Some(grad) = self.grads.remove::<D>(param.id) {
             self.grads
                 .register::<D>(param.id, grad.mul_scalar(self.scale));

@@ -85,7 +85,11 @@ impl DdpStrategy {
             .map(Snapshot::optim)
             .map_err(|e| e.to_string());
         let optim = crate::fsdp::whole_state(model, &self.group, record, self.is_main())?;
-        Ok(mine.map(|s| s.with_optim(optim)))
+        // A failure of this rank alone goes into its snapshot: the outcome is still exchanged.
+        Ok(mine.and_then(|s| match optim {
+            Ok(optim) => Ok(s.with_optim(optim)),
+            Err(e) => Err(checkpoint::SnapshotError::Encode(e)),
+        }))
     }
 
     /// At the end of training: this rank's optimizer state counted, if the telemetry asks for
