@@ -50,7 +50,7 @@
 //! # Ok::<(), burn_ddp::DdpError>(())
 //! ```
 
-// All unsafe code is in one module (`collectives/shm/mapping.rs`, the shared-memory mapping),
+// All unsafe code is in one module (`sys`: the shared-memory mapping and a raw signal handler),
 // which allows it for itself.
 // docs.rs marks each item with the feature it needs (`--cfg docsrs`, see Cargo.toml).
 #![cfg_attr(docsrs, feature(doc_cfg))]
@@ -79,6 +79,7 @@ pub mod signals;
 pub mod status;
 pub mod store;
 mod sync;
+mod sys;
 #[cfg(feature = "test-support")]
 #[doc(hidden)]
 pub mod testing;

@@ -18,9 +18,12 @@
 //!
 //! At start-up the listeners' table exists before the handlers are installed, and they are
 //! installed only once the thread that reads them exists (handlers without a reader would
-//! swallow every signal). Known gap: a signal arriving inside signal-hook-registry's first
-//! registration of that signal (between its `sigaction` and the store of its slot, a few
-//! microseconds) is dropped by the registry; seen 3 times in 200 starts under load.
+//! swallow every signal). signal-hook-registry's first registration of a signal installs its
+//! handler a moment before it stores what the handler does, and drops a signal arriving in
+//! between when the signal's previous action is the default one; so a raw handler of
+//! burn-ddp's own (`sys::signal`) is installed first, records such a signal, and the handler
+//! thread dispatches it. No stop signal is lost at start-up: before the first subscription it
+//! has its default action (the process exits), after it a listener receives it.
 
 use std::io;
 use std::io::Write;
@@ -98,24 +101,39 @@ impl Drop for Subscription {
 
 /// Starts the handler thread, then installs the handlers and hands them to it: a thread that
 /// cannot be started leaves the signals' default action in place, and no signal waits for a
-/// reader that never comes.
+/// reader that never comes. A raw handler of burn-ddp's own holds the signals that arrive
+/// while signal-hook installs its handlers (`sys::signal`, see the module documentation); the
+/// thread dispatches them first, each once.
 #[cfg(unix)]
 fn install() -> std::io::Result<()> {
-    let (tx, rx) = std::sync::mpsc::channel::<signal_hook::iterator::Signals>();
+    type Handoff = (signal_hook::iterator::Signals, Vec<i32>);
+    let (tx, rx) = std::sync::mpsc::channel::<Handoff>();
     std::thread::Builder::new()
         .name("burn-ddp-signals".into())
         .spawn(move || {
             // Returns at once when the handlers could not be installed (the sender is gone).
-            let Ok(mut signals) = rx.recv() else {
+            let Ok((mut signals, early)) = rx.recv() else {
                 return;
             };
+            for signal in early {
+                dispatch(signal);
+            }
             for signal in signals.forever() {
                 dispatch(signal);
             }
         })?;
-    let signals = signal_hook::iterator::Signals::new(STOP_SIGNALS)?;
+    crate::sys::signal::hold(&STOP_SIGNALS)?;
+    let signals = signal_hook::iterator::Signals::new(STOP_SIGNALS);
+    let mut early = crate::sys::signal::release();
+    let mut signals =
+        signals.inspect_err(|_| crate::sys::signal::restore_default(&STOP_SIGNALS))?;
+    // A signal that arrived after signal-hook's handler was in place but before the release was
+    // both recorded and delivered to `signals`: counted once.
+    early.extend(signals.pending());
+    early.sort_unstable();
+    early.dedup();
     // The thread waits for them from its first instruction; it cannot have ended.
-    tx.send(signals)
+    tx.send((signals, early))
         .map_err(|_| std::io::Error::other("the signal thread ended before it got the handlers"))
 }
 

@@ -284,13 +284,9 @@ fn start_up_run(delay: Option<Duration>) -> (StartUp, Option<Duration>) {
 /// rank's start) is acted on, never ignored until SIGKILL: 200 processes each send one to
 /// themselves at a delay spread across the subscription (0 to 1.5 times what it takes).
 ///
-/// Ignored until the fix: under CI's load it lost the signal in 3 of 200 runs, inside
-/// signal-hook-registry's first registration of a signal (its handler is installed before its
-/// slot is stored, and its fallback does not carry out SIG_DFL, so a signal in between is
-/// dropped). The fix, a handler of burn-ddp's own installed first so that the registry's
-/// fallback calls it, is the next change to `signals.rs`. Run it with `--ignored`.
+/// Before burn-ddp held such signals with a handler of its own (`sys::signal`), it lost 3 of
+/// 200 under CI's load: inside signal-hook-registry's first registration of a signal.
 #[test]
-#[ignore = "a signal in signal-hook-registry's registration window is dropped (known, fix pending)"]
 fn a_stop_signal_sent_while_the_handlers_are_installed_is_never_lost() {
     // How long subscribing takes in a fresh process: the slowest of 3, at least 50 us.
     let took = (0..3)

@@ -7,7 +7,8 @@
 //!   and creates (an anonymous memory file, sealed against resizing) and opens it;
 //! - `handoff` passes the segment's descriptor from its creator to the host's other ranks over
 //!   a Unix socket;
-//! - `mapping` holds all of burn-ddp's `unsafe`: the mapping and raw copies in and out of it.
+//! - the mapping itself and the raw copies in and out of it are in `crate::sys::mapping` (where
+//!   all of burn-ddp's `unsafe` is).
 //!
 //! Synchronisation: each rank's control block holds a step counter. A rank finishes a step by
 //! storing its counter (release) and waits until every peer's counter reached it (acquire): a
@@ -27,7 +28,6 @@
 //! of a host share the work.
 
 mod handoff;
-mod mapping;
 mod ops;
 mod segment;
 pub(crate) mod setup;
@@ -35,9 +35,9 @@ pub(crate) mod setup;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
-use self::mapping::Mapping;
 use self::segment::{Field, Layout};
 use crate::collectives::OpDesc;
+use crate::sys::mapping::Mapping;
 
 /// Longest the wait yields the core before it starts to sleep and check the peers' sockets.
 const YIELD_FOR: Duration = Duration::from_millis(1);

@@ -11,7 +11,7 @@ use std::os::fd::{AsFd, OwnedFd};
 
 use rustix::fs::{FallocateFlags, MemfdFlags, SealFlags};
 
-use super::mapping::Mapping;
+use crate::sys::mapping::Mapping;
 
 /// Bytes of a rank's control block (two cache lines: the counter does not share a line with
 /// another rank's).

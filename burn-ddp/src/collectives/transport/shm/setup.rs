@@ -18,12 +18,12 @@ use std::time::{Duration, Instant};
 
 use super::ShmChannel;
 use super::handoff;
-use super::mapping::Mapping;
 use super::segment::{self, Layout};
 use crate::env::{TRANSPORT_VAR, Transport};
 use crate::error::{DdpError, Result};
 use crate::secret::JobSecret;
 use crate::store::{Store, keys};
+use crate::sys::mapping::Mapping;
 
 /// What a rank asks of the rendezvous.
 pub(crate) struct ShmRequest {

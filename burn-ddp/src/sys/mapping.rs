@@ -1,13 +1,11 @@
-//! The only `unsafe` code of burn-ddp: mapping a shared-memory file into this process and moving
-//! bytes and counters in and out of that mapping.
+//! Mapping a shared-memory file into this process and moving bytes and counters in and out of
+//! that mapping (for the shared-memory transport, `collectives/transport/shm`).
 //!
 //! The mapping is shared with the other ranks' processes, so Rust references to its bytes are
 //! never formed (another process may write them at any time): bytes move with raw-pointer copies
 //! and the only references handed out are to [`AtomicU64`] counters, which are made to be
 //! written concurrently. Every offset is checked against the mapping's length, so safe code
 //! cannot reach outside it.
-
-#![allow(unsafe_code)]
 
 use std::io;
 use std::os::fd::BorrowedFd;
