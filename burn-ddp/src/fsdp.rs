@@ -136,7 +136,7 @@ impl ShardingStrategy {
 /// let config = FsdpConfig::new().with_strategy(ShardingStrategy::NoShard).with_name("head");
 /// assert_eq!(config.strategy, ShardingStrategy::NoShard);
 /// ```
-#[derive(Debug, Clone, Default)]
+#[derive(Debug, Clone)]
 pub struct FsdpConfig {
     /// How the block is divided over the ranks (default [`ShardingStrategy::FullShard`]).
     pub strategy: ShardingStrategy,
@@ -149,6 +149,23 @@ pub struct FsdpConfig {
     /// precision (gradient compression: `DdpLearner::compression` covers the rest of the
     /// model, not the blocks).
     pub reduce_dtype: Option<DType>,
+    /// With [`ShardingStrategy::FullShard`] under gradient checkpointing: whether backward
+    /// starts gathering this block again while the block after it (in the forward pass) runs
+    /// its backward, so that the gather is not waited for (PyTorch FSDP's
+    /// `BackwardPrefetch.BACKWARD_PRE`; default `true`). It costs one more gathered block held
+    /// during backward; `false` gathers it when its backward needs it.
+    pub backward_prefetch: bool,
+}
+
+impl Default for FsdpConfig {
+    fn default() -> Self {
+        FsdpConfig {
+            strategy: ShardingStrategy::default(),
+            name: None,
+            reduce_dtype: None,
+            backward_prefetch: true,
+        }
+    }
 }
 
 impl FsdpConfig {
@@ -182,6 +199,18 @@ impl FsdpConfig {
         self
     }
 
+    /// Sets [`Self::backward_prefetch`].
+    ///
+    /// ```
+    /// use burn_ddp::fsdp::FsdpConfig;
+    /// assert!(FsdpConfig::new().backward_prefetch);
+    /// assert!(!FsdpConfig::new().with_backward_prefetch(false).backward_prefetch);
+    /// ```
+    pub fn with_backward_prefetch(mut self, prefetch: bool) -> Self {
+        self.backward_prefetch = prefetch;
+        self
+    }
+
     /// Wraps `block`: every rank of `group` must call this with the same block (same parameter
     /// shapes and types), in the same order. Rank 0's parameter values are broadcast, so the
     /// replicas start identical; each rank then keeps its piece and drops the rest.
@@ -211,10 +240,13 @@ impl FsdpConfig {
                  F64)"
             )));
         }
-        let what = match self.reduce_dtype {
-            Some(d) => format!("{}, reduced in {d:?}", self.strategy.name()),
-            None => self.strategy.name().to_string(),
-        };
+        let mut what = self.strategy.name().to_string();
+        if let Some(d) = self.reduce_dtype {
+            what += &format!(", reduced in {d:?}");
+        }
+        if !self.backward_prefetch {
+            what += ", no backward prefetch";
+        }
         agree(group, &name, &what, &layout)?;
 
         let device = layout.device.clone();
@@ -251,6 +283,7 @@ impl FsdpConfig {
                 name,
                 strategy: self.strategy,
                 reduce_dtype: self.reduce_dtype,
+                backward_prefetch: self.backward_prefetch,
                 layout,
                 shard_len,
                 group: group.clone(),
@@ -312,6 +345,8 @@ pub(crate) struct Shared {
     pub(crate) strategy: ShardingStrategy,
     /// The element type the gradient is reduced in, if not the parameters'.
     pub(crate) reduce_dtype: Option<DType>,
+    /// Whether backward gathers the block ahead of its need ([`FsdpConfig::backward_prefetch`]).
+    pub(crate) backward_prefetch: bool,
     /// Where each parameter lies in the flat vector.
     pub(crate) layout: FlatLayout,
     /// Elements of each rank's shard.

@@ -57,12 +57,12 @@ pub(super) fn start(shared: &Shared, shard: Tensor<1>) -> Work<Tensor<1>> {
 }
 
 /// The gathered `full` (no autodiff) as the output of the gather operation on `shard` and
-/// `anchor`: an autodiff tensor whose backward reduces the gradient into the shard, when
-/// `shard` is one.
+/// the block's `input`: an autodiff tensor whose backward reduces the gradient into the shard,
+/// when `shard` is one.
 pub(super) fn attach(
     shared: &Arc<Shared>,
     shard: Tensor<1>,
-    anchor: Option<DispatchTensor>,
+    input: Option<DispatchTensor>,
     full: Tensor<1>,
 ) -> Tensor<1> {
     let device = shard.device();
@@ -73,13 +73,10 @@ pub(super) fn attach(
     let full = crate::collectives::backend::slices::on_device(full, &device);
     // Without an input, the anchor comes from the shard (the gather then sits at depth 2).
     let shard = shard.into_dispatch();
-    let anchor = <burn::backend::Dispatch as FsdpBackend>::fsdp_anchor(
-        anchor.unwrap_or_else(|| shard.clone()),
-        shard.clone(),
-    );
+    let input = input.unwrap_or_else(|| shard.clone());
     Tensor::from_dispatch(<burn::backend::Dispatch as FsdpBackend>::fsdp_gather(
         shard,
-        anchor,
+        input,
         full.into_dispatch(),
         Call {
             shared: shared.clone(),
@@ -114,15 +111,16 @@ pub(super) trait FsdpBackend: Backend {
         input
     }
 
-    /// `full`, the gathered parameters, as the result of gathering `shard`; `anchor` is the
-    /// block's input (a parent only, for the order of backward).
+    /// `full`, the gathered parameters, as the result of gathering `shard`; `input` is the
+    /// block's input (the shard where there is none), which the operation's anchor
+    /// ([`Self::fsdp_anchor`]) stands for: a parent only, for the order of backward.
     fn fsdp_gather(
         shard: FloatTensor<Self>,
-        anchor: FloatTensor<Self>,
+        input: FloatTensor<Self>,
         full: FloatTensor<Self>,
         call: Call,
     ) -> FloatTensor<Self> {
-        let _ = (shard, anchor, call);
+        let _ = (shard, input, call);
         full
     }
 }
@@ -158,10 +156,15 @@ where
 
     fn fsdp_gather(
         shard: FloatTensor<Self>,
-        anchor: FloatTensor<Self>,
+        input: FloatTensor<Self>,
         full: FloatTensor<Self>,
         call: Call,
     ) -> FloatTensor<Self> {
+        // A block whose input has a gradient needs its parameters in backward (for that
+        // gradient): only such a block is gathered ahead there (one whose input has none may
+        // not be gathered again at all).
+        let input_tracked = input.is_tracked() && input.id() != shard.id();
+        let anchor = Self::fsdp_anchor(input, shard.clone());
         let full = full.into_primitive();
         let prep = GatherBackward.prepare::<C>([shard.node(), anchor.node()]);
         let prep = match call.shared.strategy {
@@ -178,7 +181,9 @@ where
         };
         match prep.stateful() {
             OpsKind::Tracked(prep) => {
-                step::forward(&call.shared).unwrap_or_else(|e| panic!("{e}"));
+                let ahead = input_tracked
+                    .then(|| Tensor::<1>::from_primitive::<B>(shard.primitive().clone()));
+                step::forward(&call.shared, ahead).unwrap_or_else(|e| panic!("{e}"));
                 prep.finish(call, full)
             }
             OpsKind::UnTracked(prep) => prep.finish(full),
@@ -187,7 +192,9 @@ where
 }
 
 /// The gather again, in backward (burn's gradient checkpointing drops the gathered
-/// parameters after the forward pass when the strategy is `FullShard`).
+/// parameters after the forward pass when the strategy is `FullShard`): the one started ahead
+/// if there is one; and the gather of the block before this one in the forward pass, which
+/// backward reaches next, starts now (backward prefetch, as FSDP's `BACKWARD_PRE`).
 #[derive(Debug)]
 struct RetroGather<B> {
     shard: NodeId,
@@ -205,8 +212,13 @@ where
         // Counted as needed by burn, as every parent is: taken, so that burn lets it go.
         let _anchor = states.get_state::<FloatTensor<B>>(&self.anchor);
         let shard = Tensor::<1>::from_primitive::<B>(shard);
-        step::regathered(&self.call.shared);
-        let work = start(&self.call.shared, shard);
+        let shared = &self.call.shared;
+        step::regathered(shared);
+        let work = step::take_prefetched(shared).unwrap_or_else(|| start(shared, shard));
+        // The block backward reaches next: its gather runs while this one's backward computes.
+        if let Some((next, shard)) = step::ahead_of(shared) {
+            step::prefetched(&next, start(&next, shard));
+        }
         let full = step::wait_exposed(work, step::Wait::Gather).unwrap_or_else(|e| panic!("{e}"));
         states.save(out_node, primitive::<B>(&self.call.shared, full));
     }

@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 use burn::backend::autodiff::NodeId;
 use burn::tensor::Tensor;
 
-use super::Shared;
+use super::{ShardingStrategy, Shared};
 use crate::error::Result;
 use crate::{ProcessGroup, ReduceOp, Work};
 
@@ -28,11 +28,24 @@ struct Pending {
     work: Work<Tensor<1>>,
 }
 
+/// A block a tracked forward pass gathered.
+struct Gathered {
+    /// The block's address (its `Arc<Shared>`).
+    key: usize,
+    /// The block and its shard, when backward may gather it ahead of its need
+    /// ([`ShardingStrategy::FullShard`] with backward prefetch).
+    ahead: Option<(Arc<Shared>, Tensor<1>)>,
+}
+
 /// This thread's step.
 #[derive(Default)]
 struct Step {
-    /// The blocks gathered by tracked forward passes since the last flush (by address).
-    gathered: Vec<usize>,
+    /// The blocks gathered by tracked forward passes since the last flush, in order.
+    gathered: Vec<Gathered>,
+    /// The blocks whose backward ran (by address).
+    backward_ran: Vec<usize>,
+    /// The gather backward started ahead for a block (by address), not yet taken.
+    prefetched: Option<(usize, Work<Tensor<1>>)>,
     /// Backward steps of those run so far.
     backward_done: usize,
     in_flight: VecDeque<Pending>,
@@ -46,12 +59,13 @@ thread_local! {
     static STEP: RefCell<Step> = RefCell::default();
 }
 
-/// A tracked forward pass gathered `block`.
-pub(super) fn forward(block: &Arc<Shared>) -> Result<()> {
+/// A tracked forward pass gathered `block`; `ahead` is its shard (no autodiff) when backward
+/// may gather it ahead of its need (its input has a gradient, see [`ahead_of`]).
+pub(super) fn forward(block: &Arc<Shared>, ahead: Option<Tensor<1>>) -> Result<()> {
     let key = Arc::as_ptr(block) as usize;
     STEP.with(|s| {
         let mut s = s.borrow_mut();
-        if s.gathered.contains(&key) {
+        if s.gathered.iter().any(|g| g.key == key) {
             return Err(block.error(
                 "the block ran a second time before backward went through it: call each \
                  wrapped block once per forward pass (wrap a block used twice once per use, or \
@@ -68,9 +82,47 @@ pub(super) fn forward(block: &Arc<Shared>) -> Result<()> {
                 s.gathered.len()
             )));
         }
-        s.gathered.push(key);
+        let ahead = ahead
+            .filter(|_| block.strategy == ShardingStrategy::FullShard && block.backward_prefetch)
+            .map(|shard| (block.clone(), shard));
+        s.gathered.push(Gathered { key, ahead });
         Ok(())
     })
+}
+
+/// The gather backward started ahead for `block`, if any (taken: the caller waits for it).
+pub(super) fn take_prefetched(block: &Arc<Shared>) -> Option<Work<Tensor<1>>> {
+    let key = Arc::as_ptr(block) as usize;
+    STEP.with(|s| {
+        let mut s = s.borrow_mut();
+        match &s.prefetched {
+            Some((k, _)) if *k == key => s.prefetched.take().map(|(_, work)| work),
+            _ => None,
+        }
+    })
+}
+
+/// The block backward reaches after `block` (the one before it in the forward pass) and its
+/// shard, when it is to be gathered ahead: it allows it, its backward has not run, it is not
+/// gathered again already, and no other gather ahead is waiting.
+pub(super) fn ahead_of(block: &Arc<Shared>) -> Option<(Arc<Shared>, Tensor<1>)> {
+    let key = Arc::as_ptr(block) as usize;
+    STEP.with(|s| {
+        let s = s.borrow();
+        let at = s.gathered.iter().position(|g| g.key == key)?;
+        let before = s.gathered.get(at.checked_sub(1)?)?;
+        let free = s.prefetched.is_none()
+            && !s.backward_ran.contains(&before.key)
+            && !s.regathered.contains(&before.key);
+        before.ahead.clone().filter(|_| free)
+    })
+}
+
+/// Backward started gathering `block` ahead of its need (`work`).
+pub(super) fn prefetched(block: &Arc<Shared>, work: Work<Tensor<1>>) {
+    let key = Arc::as_ptr(block) as usize;
+    STEP.with(|s| s.borrow_mut().prefetched = Some((key, work)));
+    count(|s| s.backward_prefetches += 1);
 }
 
 /// The backward step of `block`'s gather, with its whole gradient `grad`: starts its reduction
@@ -82,7 +134,16 @@ pub(super) fn backward(
     grad: Tensor<1>,
 ) -> Result<Vec<(NodeId, Tensor<1>, Arc<Shared>)>> {
     let key = Arc::as_ptr(block) as usize;
-    STEP.with(|s| s.borrow_mut().regathered.retain(|k| *k != key));
+    STEP.with(|s| {
+        let mut s = s.borrow_mut();
+        s.regathered.retain(|k| *k != key);
+        s.backward_ran.push(key);
+        // A gather ahead that backward did not need (burn kept the block's parameters): the
+        // collective runs on (every rank started it), its result is dropped.
+        if s.prefetched.as_ref().is_some_and(|(k, _)| *k == key) {
+            s.prefetched = None;
+        }
+    });
     if let Some(node) = shard {
         let work = start_reduce(block, grad.inner());
         let oldest = STEP.with(|s| {
@@ -260,6 +321,10 @@ pub struct FsdpStats {
     pub exposed: Duration,
     /// Gathers of a block's parameters started (forward, prefetch, and again in backward).
     pub gathers: u64,
+    /// Of those, the gathers backward started ahead of a block's need (with
+    /// [`super::ShardingStrategy::FullShard`] under gradient checkpointing: the next block's
+    /// gather while this one's backward computes, see [`super::FsdpConfig::backward_prefetch`]).
+    pub backward_prefetches: u64,
     /// Reductions of a block's gradient started.
     pub reduces: u64,
     /// Elements of the gathered flat parameters (every rank's shard).
@@ -280,6 +345,7 @@ impl std::ops::Sub for FsdpStats {
         FsdpStats {
             exposed: self.exposed.saturating_sub(rhs.exposed),
             gathers: self.gathers - rhs.gathers,
+            backward_prefetches: self.backward_prefetches - rhs.backward_prefetches,
             reduces: self.reduces - rhs.reduces,
             elements_gathered: self.elements_gathered - rhs.elements_gathered,
             elements_reduced: self.elements_reduced - rhs.elements_reduced,

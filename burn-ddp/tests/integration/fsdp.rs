@@ -5,7 +5,7 @@
 
 use std::sync::Arc;
 
-use burn::module::Module;
+use burn::module::{Module, Param};
 use burn::nn::{Linear, LinearConfig};
 use burn::optim::{AdamWConfig, GradientsParams, ModuleOptimizer, OptimizerRecord, SgdConfig};
 use burn::store::ModuleRecord;
@@ -433,6 +433,79 @@ fn full_shard_backward_holds_one_gathered_block_at_a_time() {
             assert_eq!(grads, DEPTH, "{what}: shards with a gradient");
         }
     }
+}
+
+/// Backward prefetch: under gradient checkpointing each `FullShard` block's gather in
+/// backward starts while the block after it runs its backward (FSDP's `BACKWARD_PRE`), taking
+/// the place of the gather backward would start later: no more gathers than without it, and
+/// the same gradients, bit for bit. With `with_backward_prefetch(false)` none starts ahead.
+#[test]
+fn backward_gathers_the_next_block_ahead_and_changes_nothing_else() {
+    const DEPTH: usize = 6;
+    for residual in [false, true] {
+        let got = run_world(2, options(60), |g| {
+            let group = Arc::new(g);
+            let device = checkpointed();
+            let mut out = Vec::new();
+            for prefetch in [true, false] {
+                let config = FsdpConfig::new().with_backward_prefetch(prefetch);
+                let layers = (0..DEPTH)
+                    .map(|i| config.init(fixed_linear(i, &device), &group))
+                    .collect::<burn_ddp::Result<Vec<_>>>()
+                    .expect("wrap");
+                let x = Tensor::<2>::ones([2, 4], &device);
+                let before = fsdp::stats();
+                let y = fsdp::forward_chain(&layers, x, |l, x| match residual {
+                    true => x.clone() + l.forward(x),
+                    false => l.forward(x).tanh(),
+                });
+                let grads = GradientsParams::from_grads(y.sum().backward(), &layers);
+                let stats = fsdp::stats() - before;
+                let grads: Vec<Vec<f32>> = layers
+                    .iter()
+                    .map(|l| {
+                        let g = grads.get::<1>(l.shard().id).expect("a shard's gradient");
+                        g.into_data().to_vec().unwrap()
+                    })
+                    .collect();
+                out.push((stats.gathers, stats.backward_prefetches, grads));
+            }
+            out
+        });
+        for (rank, runs) in got.into_iter().enumerate() {
+            let what = format!("residual {residual}, rank {rank}");
+            let [(gathers, ahead, grads), (gathers_off, ahead_off, grads_off)] =
+                <[_; 2]>::try_from(runs).ok().unwrap();
+            println!(
+                "{what}: gathers {gathers} (off {gathers_off}), ahead {ahead} (off {ahead_off})"
+            );
+            assert!(ahead + 2 >= DEPTH as u64, "{what}: {ahead} gathers ahead");
+            assert_eq!(ahead_off, 0, "{what}: gathers ahead with prefetch off");
+            assert_eq!(
+                gathers, gathers_off,
+                "{what}: gathers with and without prefetch"
+            );
+            assert_eq!(grads, grads_off, "{what}: the gradients changed");
+        }
+    }
+}
+
+/// A linear layer of 4 by 4 whose values depend on `i` (the same on every rank).
+fn fixed_linear(i: usize, device: &Device) -> Linear {
+    let values: Vec<f32> = (0..16)
+        .map(|j| ((i * 16 + j) as f32 * 0.37).sin() * 0.5)
+        .collect();
+    let bias: Vec<f32> = (0..4)
+        .map(|j| ((i * 4 + j) as f32 * 0.11).cos() * 0.1)
+        .collect();
+    let mut layer = LinearConfig::new(4, 4).init(device);
+    layer.weight =
+        Param::from_tensor(Tensor::<1>::from_floats(values.as_slice(), device).reshape([4, 4]));
+    layer.bias = Some(Param::from_tensor(Tensor::<1>::from_floats(
+        bias.as_slice(),
+        device,
+    )));
+    layer
 }
 
 /// A block used twice in one forward pass is refused, naming the block and the rank.
