@@ -72,7 +72,7 @@ use crate::error::{DdpError, Result};
 use crate::wire::Writer;
 use crate::{ProcessGroup, Work};
 
-pub(crate) use module::{block_gradients, first_block, shard_gradients};
+pub(crate) use module::{block_gradients, first_block};
 pub use optim_state::{full_optimizer_record, load_full_optimizer_record};
 pub(crate) use optim_state::{shard_ids, shard_state, whole_state};
 pub use state::{full_record, load_full_record};

@@ -111,28 +111,33 @@ impl<M: Module> ModuleDisplayDefault for Fsdp<M> {
 
 impl<M: Module> ModuleDisplay for Fsdp<M> {}
 
+/// A visitor that finds the module path of every wrapped block, in visit order (`""` for a
+/// model that is the block), in the sharded and listing modes (where a block shows its shard).
+#[derive(Default)]
+pub(super) struct BlockPaths {
+    path: Vec<String>,
+    /// The paths found.
+    pub(super) found: Vec<String>,
+}
+
+impl ModuleVisitor for BlockPaths {
+    fn enter_module(&mut self, name: &str, container: &str) {
+        if container == CONTAINER {
+            self.found.push(self.path.join("."));
+        }
+        self.path.push(name.to_string());
+    }
+    fn exit_module(&mut self, _: &str, _: &str) {
+        self.path.pop();
+    }
+}
+
 /// The module path of the first wrapped block in `module` (`None` without one): for errors
 /// of the data-parallel machinery about a model with wrapped blocks.
 pub(crate) fn first_block<M: Module>(module: &M) -> Option<String> {
-    #[derive(Default)]
-    struct Find {
-        path: Vec<String>,
-        found: Option<String>,
-    }
-    impl ModuleVisitor for Find {
-        fn enter_module(&mut self, name: &str, container: &str) {
-            if container == CONTAINER && self.found.is_none() {
-                self.found = Some(self.path.join("."));
-            }
-            self.path.push(name.to_string());
-        }
-        fn exit_module(&mut self, _: &str, _: &str) {
-            self.path.pop();
-        }
-    }
-    let mut find = Find::default();
-    state::sharded(|| module.visit(&mut find));
-    find.found
+    let mut paths = BlockPaths::default();
+    state::sharded(|| module.visit(&mut paths));
+    paths.found.into_iter().next()
 }
 
 /// Each wrapped block's gradient in `grads` on this rank (its shard's), in visit order, and
@@ -151,41 +156,6 @@ pub(crate) fn block_gradients<M: Module>(
             Some((grad, b.shared.strategy.shards()))
         })
         .collect()
-}
-
-/// The gradients in `grads` of every shard in `module`, flattened, in visit order.
-pub(crate) fn shard_gradients<M: Module>(module: &M, grads: &GradientsParams) -> Vec<Tensor<1>> {
-    struct Find<'a> {
-        grads: &'a GradientsParams,
-        depth_in_shard: usize,
-        found: Vec<Tensor<1>>,
-    }
-    impl ModuleVisitor for Find<'_> {
-        fn enter_module(&mut self, _: &str, container: &str) {
-            if container == CONTAINER || self.depth_in_shard > 0 {
-                self.depth_in_shard += 1;
-            }
-        }
-        fn exit_module(&mut self, _: &str, _: &str) {
-            self.depth_in_shard = self.depth_in_shard.saturating_sub(1);
-        }
-        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
-            if self.depth_in_shard == 0 {
-                return;
-            }
-            if let Some(g) = self.grads.get::<D>(param.id) {
-                let n = g.shape().num_elements();
-                self.found.push(g.reshape([n]));
-            }
-        }
-    }
-    let mut find = Find {
-        grads,
-        depth_in_shard: 0,
-        found: Vec::new(),
-    };
-    state::sharded(|| module.visit(&mut find));
-    find.found
 }
 
 impl<M: Module> Fsdp<M> {

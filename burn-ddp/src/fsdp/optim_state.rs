@@ -12,12 +12,12 @@
 
 use std::collections::{BTreeMap, HashMap};
 
-use burn::module::{Module, ModuleVisitor, Param};
+use burn::module::Module;
 use burn::optim::OptimizerRecord;
 use burn::tensor::{Bytes, DType, Tensor, TensorData};
 use burn_pack::Scalar;
 
-use super::module::SHARD_FIELD;
+use super::module::{BlockPaths, SHARD_FIELD};
 use super::state::{self, Listed};
 use crate::ProcessGroup;
 use crate::error::{DdpError, Result};
@@ -50,25 +50,7 @@ impl Block {
 
 /// The wrapped blocks of `model`, in visit order.
 fn blocks<M: Module>(model: &M) -> Vec<Block> {
-    #[derive(Default)]
-    struct Paths {
-        path: Vec<String>,
-        found: Vec<String>,
-    }
-    impl ModuleVisitor for Paths {
-        fn enter_module(&mut self, name: &str, _: &str) {
-            self.path.push(name.to_string());
-        }
-        fn exit_module(&mut self, _: &str, _: &str) {
-            self.path.pop();
-        }
-        fn visit_float<const D: usize>(&mut self, _: &Param<Tensor<D>>) {
-            if self.path.last().is_some_and(|n| n == SHARD_FIELD) {
-                self.found.push(self.path[..self.path.len() - 1].join("."));
-            }
-        }
-    }
-    let mut paths = Paths::default();
+    let mut paths = BlockPaths::default();
     let listed = state::listing(|| model.visit(&mut paths));
     (listed.into_iter().zip(paths.found))
         .map(|(listed, path)| Block { listed, path })

@@ -232,7 +232,9 @@ impl GradientReducer {
             return Ok(false);
         }
         let (rank, world) = (self.group.rank(), self.group.world_size());
-        let shards = crate::fsdp::shard_gradients(model, grads);
+        let shards: Vec<_> = (crate::fsdp::block_gradients(model, grads).into_iter())
+            .map(|(grad, _)| grad)
+            .collect();
         let slots = NonFinite::slots(&shards, rank, world)?;
         let summed = self.group.all_reduce(slots, ReduceOp::Sum).wait()?;
         let culprits = NonFinite::marked(&summed);

@@ -183,6 +183,31 @@ pub fn digest(bytes: &[u8]) -> u64 {
     h.finish()
 }
 
+/// The events of `rank`'s Chrome trace in `dir` (`rank-{rank}.json`, as `DdpLearner::profile`
+/// writes it).
+pub fn trace_events(dir: &std::path::Path, rank: usize) -> Vec<serde_json::Value> {
+    let path = dir.join(format!("rank-{rank}.json"));
+    let text = std::fs::read_to_string(&path)
+        .unwrap_or_else(|e| panic!("a trace per rank: {}: {e}", path.display()));
+    let mut trace: serde_json::Value = serde_json::from_str(&text).expect("valid JSON");
+    match trace["traceEvents"].take() {
+        serde_json::Value::Array(events) => events,
+        other => panic!("traceEvents is not a list: {other}"),
+    }
+}
+
+/// The complete spans (`"ph": "X"`) of `rank`'s Chrome trace in `dir`: each span's name and
+/// duration in microseconds.
+pub fn trace_spans(dir: &std::path::Path, rank: usize) -> Vec<(String, f64)> {
+    (trace_events(dir, rank).iter())
+        .filter(|e| e["ph"] == "X")
+        .map(|e| {
+            let name = e["name"].as_str().unwrap_or_default().to_string();
+            (name, e["dur"].as_f64().unwrap_or(0.0))
+        })
+        .collect()
+}
+
 /// ‖a − b‖ / ‖b‖.
 pub fn relative_error(a: &[f32], b: &[f32]) -> f64 {
     assert_eq!(a.len(), b.len());

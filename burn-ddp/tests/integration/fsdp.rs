@@ -12,7 +12,7 @@ use burn::store::ModuleRecord;
 use burn::tensor::{Bytes, DType, Device, Tensor, TensorData};
 use burn_ddp::ProcessGroup;
 use burn_ddp::fsdp::{self, Fsdp, FsdpConfig, ShardingStrategy};
-use burn_ddp::train::{BucketConfig, GradientReducer, Sharding};
+use burn_ddp::train::{BucketConfig, GradientReducer, NonFinite, Sharding};
 
 use crate::common::{max_relative_error, options, run_world, value};
 
@@ -392,6 +392,60 @@ fn gradients_are_clipped_by_the_global_norm_of_the_whole_model() {
     }
 }
 
+/// A NaN in rank 1's batch under `NonFinite::SkipStep`: every rank skips the step, the wrapped
+/// blocks included (their shards' gradients, reduced in backward, are not handed to the
+/// optimizer either), and the next clean step is applied as the one-process step.
+#[test]
+fn a_skipped_step_leaves_the_wrapped_blocks_alone() {
+    let init = initial_record();
+    let sgd = || SgdConfig::new().init();
+    let device = Device::flex().autodiff();
+    let start = RefNet::new(&device).load_record(init.clone());
+    let want = {
+        let (x, y) = batch(1, 0..GLOBAL, &device);
+        let loss = (start.forward(x) - y).square().mean();
+        let grads = GradientsParams::from_grads(loss.backward(), &start);
+        sgd().step(0.05, start.clone(), grads).state().concat()
+    };
+    let start = start.state().concat();
+    let got = run_world(2, options(60), |g| {
+        let group = Arc::new(g);
+        let device = Device::flex().autodiff();
+        let plain = RefNet::new(&device).load_record(init.clone());
+        let model = ShardedNet::new(plain, &group, ShardingStrategy::FullShard).expect("wrap");
+        let reducer = GradientReducer::new(&model, group.clone(), BucketConfig::default())
+            .expect("reducer")
+            .non_finite(NonFinite::SkipStep);
+        let half = GLOBAL / 2;
+        let rows = group.rank() * half..(group.rank() + 1) * half;
+        let step = |model: ShardedNet, at: usize, factor: f32| {
+            let (x, y) = batch(at, rows.clone(), &device);
+            let loss = (model.forward(x.mul_scalar(factor)) - y).square().mean();
+            let grads = GradientsParams::from_grads(loss.backward(), &model);
+            let grads = reducer.reduce(&model, grads).expect("reduce");
+            let handed = grads.len();
+            (sgd().step(0.05, model, grads), handed)
+        };
+        let poison = if group.rank() == 1 { f32::NAN } else { 1.0 };
+        let (model, handed) = step(model, 0, poison);
+        let skipped = model.state().concat();
+        let (model, _) = step(model, 1, 1.0);
+        (handed, skipped, model.state().concat())
+    });
+    for (rank, (handed, skipped, after)) in got.into_iter().enumerate() {
+        assert_eq!(
+            handed, 0,
+            "rank {rank}: gradients handed over for a skipped step"
+        );
+        assert_eq!(
+            skipped, start,
+            "rank {rank}: the skipped step changed the model"
+        );
+        let err = max_relative_error(&after, &want);
+        assert!(err < 1e-5, "rank {rank}: the next step is {err:e} off");
+    }
+}
+
 fn checkpointed() -> Device {
     Device::flex().autodiff().gradient_checkpointing()
 }
@@ -465,7 +519,7 @@ fn backward_gathers_the_next_block_ahead_and_changes_nothing_else() {
                     .iter()
                     .map(|l| {
                         let g = grads.get::<1>(l.shard().id).expect("a shard's gradient");
-                        g.into_data().to_vec().unwrap()
+                        g.into_data().try_to_vec::<f32>().expect("f32")
                     })
                     .collect();
                 out.push((stats.gathers, stats.backward_prefetches, grads));

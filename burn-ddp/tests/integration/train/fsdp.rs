@@ -33,7 +33,7 @@ mod clipping;
 
 use super::model::{DATA, Points, Rows, ToRows, flex};
 use super::{assert_identical, relative_error};
-use crate::common::{max_relative_error, options, run_world, value};
+use crate::common::{max_relative_error, options, run_world, trace_spans, value};
 
 /// Layer widths: 6 features (the tests' `Points`), 3 classes.
 const WIDTHS: [usize; 4] = [6, 8, 7, 3];
@@ -455,14 +455,11 @@ fn the_wait_inside_wrapped_blocks_is_exposed_communication() {
     // Each step waits once for each block's gather (forward) and reduction (backward).
     let blocks = WIDTHS.len() - 1;
     for rank in 0..2 {
-        let text = std::fs::read_to_string(dir.join(format!("rank-{rank}.json")))
-            .expect("a trace per rank");
-        let trace: serde_json::Value = serde_json::from_str(&text).expect("valid JSON");
-        let events = trace["traceEvents"].as_array().expect("traceEvents");
+        let all = trace_spans(&dir, rank);
         let spans = |name: &str| -> Vec<f64> {
-            (events.iter())
-                .filter(|e| e["ph"] == "X" && e["name"] == name)
-                .map(|e| e["dur"].as_f64().unwrap_or(0.0))
+            (all.iter())
+                .filter(|(n, _)| n == name)
+                .map(|(_, dur)| *dur)
                 .collect()
         };
         let gathers = spans("fsdp: waiting for a gather");
@@ -533,6 +530,20 @@ fn burn_trains_checkpointer_with_wrapped_blocks_is_refused_naming_the_block() {
                 && e.contains("burn-train's own checkpointer")
                 && e.contains("DdpLearner::checkpoints"),
             "rank {rank}: {e}"
+        );
+    }
+}
+
+/// Each rank of `got` within 1e-6 of `reference`.
+fn close(what: &str, got: &[Vec<f32>], reference: &[f32]) {
+    for (rank, g) in got.iter().enumerate() {
+        let err = relative_error(g, reference);
+        if rank == 0 {
+            eprintln!("{what}: {err:e}");
+        }
+        assert!(
+            err <= 1e-6,
+            "{what}: rank {rank} is {err:e} from the reference"
         );
     }
 }

@@ -77,16 +77,8 @@ fn the_straggler_is_measured_and_every_rank_writes_its_trace() {
 
     let steps = DATA / 2 / 8;
     for rank in 0..2 {
-        let path = dir.join(format!("rank-{rank}.json"));
-        let text = std::fs::read_to_string(&path).expect("a trace per rank");
-        let trace: serde_json::Value = serde_json::from_str(&text).expect("valid JSON");
-        let events = trace["traceEvents"].as_array().expect("traceEvents");
-        let count = |prefix: &str| {
-            events
-                .iter()
-                .filter(|e| e["ph"] == "X" && e["name"].as_str().unwrap().starts_with(prefix))
-                .count()
-        };
+        let spans = crate::common::trace_spans(&dir, rank);
+        let count = |prefix: &str| spans.iter().filter(|(n, _)| n.starts_with(prefix)).count();
         assert_eq!(count("forward+backward"), steps, "rank {rank}");
         assert_eq!(count("optimizer step"), steps, "rank {rank}");
         assert_eq!(count("unpack"), steps, "rank {rank}");
@@ -100,7 +92,7 @@ fn the_straggler_is_measured_and_every_rank_writes_its_trace() {
             "rank {rank}"
         );
         assert!(
-            events.iter().all(|e| e["pid"] == rank),
+            (crate::common::trace_events(&dir, rank).iter()).all(|e| e["pid"] == rank),
             "rank {rank}: one process lane"
         );
     }

@@ -52,12 +52,8 @@ fn train(world: usize, sharding: Sharding, dir: &std::path::Path) -> Vec<JobStat
 
 /// How many complete spans of `rank`'s trace in `dir` have names starting with `prefix`.
 fn spans(dir: &std::path::Path, rank: usize, prefix: &str) -> usize {
-    let path = dir.join(format!("rank-{rank}.json"));
-    let text = std::fs::read_to_string(&path).expect("a trace per rank");
-    let trace: serde_json::Value = serde_json::from_str(&text).expect("valid JSON");
-    let events = trace["traceEvents"].as_array().expect("traceEvents");
-    (events.iter())
-        .filter(|e| e["ph"] == "X" && e["name"].as_str().is_some_and(|n| n.starts_with(prefix)))
+    (crate::common::trace_spans(dir, rank).iter())
+        .filter(|(n, _)| n.starts_with(prefix))
         .count()
 }
 

@@ -76,20 +76,6 @@ fn run(
         .collect()
 }
 
-/// Each rank of `got` within 1e-6 of `reference`.
-fn close(what: &str, got: &[Vec<f32>], reference: &[f32]) {
-    for (rank, g) in got.iter().enumerate() {
-        let err = relative_error(g, reference);
-        if rank == 0 {
-            eprintln!("{what}: {err:e}");
-        }
-        assert!(
-            err <= 1e-6,
-            "{what}: rank {rank} is {err:e} from the reference"
-        );
-    }
-}
-
 #[test]
 fn wrapped_checkpoints_resume_at_another_world_size_wrapped_or_not() {
     let full = Net::Wrapped(ShardingStrategy::FullShard, Sharding::None);

@@ -55,15 +55,6 @@ fn clipping_by_the_global_norm_is_the_same_wrapped_or_not() {
     ];
     for wrap in wraps {
         let got = run(Some(max), Some(wrap));
-        for (rank, g) in got.iter().enumerate() {
-            let err = relative_error(g, &reference[0]);
-            if rank == 0 {
-                eprintln!("{wrap:?}, clipped at {max}: {err:e} from the unwrapped run");
-            }
-            assert!(
-                err <= 1e-6,
-                "{wrap:?}: rank {rank} is {err:e} from the unwrapped run"
-            );
-        }
+        close(&format!("{wrap:?}, clipped at {max}"), &got, &reference[0]);
     }
 }
