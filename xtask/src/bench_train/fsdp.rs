@@ -53,17 +53,43 @@ enum Mode {
     Zero2,
     GradOp,
     Full,
+    /// `full` with `--no-backward-prefetch`: what backward prefetch saves, in the same run.
+    FullNoPrefetch,
 }
 
 impl Mode {
-    const ALL: [Mode; 4] = [Mode::Ddp, Mode::Zero2, Mode::GradOp, Mode::Full];
+    const ALL: [Mode; 5] = [
+        Mode::Ddp,
+        Mode::Zero2,
+        Mode::GradOp,
+        Mode::Full,
+        Mode::FullNoPrefetch,
+    ];
 
+    /// `shardlm --mode`.
     fn flag(self) -> &'static str {
         match self {
             Mode::Ddp => "ddp",
             Mode::Zero2 => "zero2",
             Mode::GradOp => "grad-op",
-            Mode::Full => "full",
+            Mode::Full | Mode::FullNoPrefetch => "full",
+        }
+    }
+
+    /// The run's `shardlm` flags besides the model's.
+    fn args(self) -> Vec<&'static str> {
+        let mut args = vec!["--mode", self.flag()];
+        if self == Mode::FullNoPrefetch {
+            args.push("--no-backward-prefetch");
+        }
+        args
+    }
+
+    /// The run's name in file names.
+    fn key(self) -> &'static str {
+        match self {
+            Mode::FullNoPrefetch => "full-no-prefetch",
+            _ => self.flag(),
         }
     }
 
@@ -73,6 +99,7 @@ impl Mode {
             Mode::Zero2 => "ZeRO-2",
             Mode::GradOp => "FSDP grad-op",
             Mode::Full => "FSDP full",
+            Mode::FullNoPrefetch => "FSDP full, no bwd prefetch",
         }
     }
 }
@@ -186,31 +213,31 @@ fn run(
     (world, mode): (usize, Mode),
     capped: Option<&Capped>,
 ) -> Result<Outcome> {
-    let report = scratch.join(format!("{}-{world}", mode.flag()));
+    let report = scratch.join(format!("{}-{world}", mode.key()));
     let rank_file = |r: usize| report.with_extension(format!("rank{r}"));
     for r in 0..world {
         let _ = std::fs::remove_file(rank_file(r));
     }
-    let args: Vec<String> = [
-        "--mode",
-        mode.flag(),
-        "--width",
-        &b.width.to_string(),
-        "--heads",
-        &b.heads.to_string(),
-        "--layers",
-        &b.layers.to_string(),
-        "--seq-len",
-        &SEQ_LEN.to_string(),
-        "--batch-size",
-        &b.batch.to_string(),
-        "--steps",
-        &b.steps.to_string(),
-        "--report",
-        &report.display().to_string(),
-    ]
-    .map(String::from)
-    .into();
+    let mut args: Vec<String> = mode.args().into_iter().map(String::from).collect();
+    args.extend(
+        [
+            "--width",
+            &b.width.to_string(),
+            "--heads",
+            &b.heads.to_string(),
+            "--layers",
+            &b.layers.to_string(),
+            "--seq-len",
+            &SEQ_LEN.to_string(),
+            "--batch-size",
+            &b.batch.to_string(),
+            "--steps",
+            &b.steps.to_string(),
+            "--report",
+            &report.display().to_string(),
+        ]
+        .map(String::from),
+    );
     let mut cfg = match capped {
         Some(group) => group.launch_config(exe, world),
         None => LaunchConfig::new(exe.to_path_buf(), world),
@@ -228,7 +255,7 @@ fn run(
         }
         (Err(e), None) => {
             return Err(e)
-                .with_context(|| format!("shardlm --mode {} at world {world}", mode.flag()));
+                .with_context(|| format!("shardlm {} at world {world}", mode.args().join(" ")));
         }
     }
     let ranks = (0..world)

@@ -18,6 +18,8 @@ pub(super) struct Rank {
     pub sent_per_step: f64,
     pub coll_bytes_per_step: f64,
     pub gathers_per_step: f64,
+    /// Milliseconds per step the training thread waited inside the blocks (FSDP).
+    pub exposed_ms: f64,
 }
 
 impl Rank {
@@ -42,6 +44,7 @@ impl Rank {
             sent_per_step: field("sent_per_step")?,
             coll_bytes_per_step: field("coll_bytes_per_step")?,
             gathers_per_step: field("gathers_per_step")?,
+            exposed_ms: field("exposed_ms")?,
         })
     }
 
@@ -102,6 +105,11 @@ impl Measured {
     /// Bytes rank 0 handed to its collectives per step.
     pub(super) fn coll_bytes_per_step(&self) -> f64 {
         self.ranks.first().map_or(0.0, |r| r.coll_bytes_per_step)
+    }
+
+    /// Rank 0's milliseconds per step waiting inside the blocks (FSDP; 0 otherwise).
+    pub(super) fn exposed_ms_per_step(&self) -> f64 {
+        self.ranks.first().map_or(0.0, |r| r.exposed_ms)
     }
 
     /// Block gathers per step (FSDP; 0 otherwise).

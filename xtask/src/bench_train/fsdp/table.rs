@@ -70,6 +70,7 @@ pub(super) fn print(b: &FsdpBench, seq_len: usize, rows: &[Row], capping: Result
         summarise_world(rows, world);
     }
     summarise_checkpointing(rows);
+    summarise_prefetch(rows);
     match capping {
         Ok(how) => summarise_capped(rows, &how),
         Err(why) => println!("capped runs skipped: {why}"),
@@ -178,6 +179,31 @@ fn summarise_checkpointing(rows: &[Row]) {
         p_full / MB,
         p_op / MB
     );
+}
+
+/// What backward prefetch changes in FSDP full at each world: step time and peak against the
+/// run without it.
+fn summarise_prefetch(rows: &[Row]) {
+    for world in super::WORLDS {
+        let (Some(on), Some(off)) = (
+            find(rows, world, Mode::Full),
+            find(rows, world, Mode::FullNoPrefetch),
+        ) else {
+            continue;
+        };
+        println!(
+            "backward prefetch (FSDP full, world {world}): {:.1} ms per step against {:.1} \
+             without ({:.2}x); exposed communication {:.1} against {:.1} ms per step; peak RSS \
+             {:.1} MB against {:.1} MB",
+            on.ms_per_step(),
+            off.ms_per_step(),
+            ratio(on.ms_per_step(), off.ms_per_step()),
+            on.exposed_ms_per_step(),
+            off.exposed_ms_per_step(),
+            on.peak_rss() as f64 / MB,
+            off.peak_rss() as f64 / MB
+        );
+    }
 }
 
 /// The capped runs' outcomes, in one line.

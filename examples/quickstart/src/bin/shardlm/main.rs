@@ -31,7 +31,7 @@ use anyhow::{Context, Result};
 use burn::optim::{AdamWConfig, GradientsParams, ModuleOptimizer};
 use burn::tensor::{Device, Int, Tensor, TensorData};
 use burn_ddp::ProcessGroup;
-use burn_ddp::fsdp::{self, FsdpStats, ShardingStrategy};
+use burn_ddp::fsdp::{self, FsdpConfig, FsdpStats, ShardingStrategy};
 use burn_ddp::train::{BucketConfig, GradientReducer, Sharding, broadcast_module};
 use clap::builder::RangedU64ValueParser;
 use clap::{Parser, ValueEnum};
@@ -86,6 +86,10 @@ struct Flags {
     /// With --mode full: a device without gradient checkpointing
     #[arg(long)]
     no_checkpointing: bool,
+    /// With --mode full: backward gathers each block when it needs it, not while the block
+    /// after it computes (`FsdpConfig::with_backward_prefetch(false)`)
+    #[arg(long)]
+    no_backward_prefetch: bool,
     /// Rank 0 prints its resident memory (now, peak) after each phase of each step: where the
     /// peak is reached
     #[arg(long)]
@@ -156,7 +160,10 @@ fn run() -> Result<()> {
                 Mode::Full => ShardingStrategy::FullShard,
                 _ => ShardingStrategy::ShardGradOp,
             };
-            let model = ShardedLm::new(&shape, &device, &group, strategy)?;
+            let config = FsdpConfig::new()
+                .with_strategy(strategy)
+                .with_backward_prefetch(!f.no_backward_prefetch);
+            let model = ShardedLm::new(&shape, &device, &group, config)?;
             let (whole, mine) = model.numel();
             println!("fsdp: this rank stores {mine} of the model's {whole} elements");
             loop_.train(model, None)?

@@ -12,7 +12,7 @@ use burn::nn::transformer::{TransformerEncoderConfig, TransformerEncoderLayer};
 use burn::nn::{Embedding, EmbeddingConfig, LayerNorm, LayerNormConfig, Linear, LinearConfig};
 use burn::tensor::{Bool, Device, Int, Tensor};
 use burn_ddp::ProcessGroup;
-use burn_ddp::fsdp::{self, Fsdp, FsdpConfig, ShardingStrategy};
+use burn_ddp::fsdp::{self, Fsdp, FsdpConfig};
 
 /// The model's shape.
 #[derive(Debug, Clone, Copy)]
@@ -161,9 +161,8 @@ impl ShardedLm {
         shape: &Shape,
         device: &Device,
         group: &Arc<ProcessGroup>,
-        strategy: ShardingStrategy,
+        config: FsdpConfig,
     ) -> Result<Self> {
-        let config = FsdpConfig::new().with_strategy(strategy);
         let embed = config
             .clone()
             .with_name("embeddings")
