@@ -2,8 +2,10 @@
 //! `Learner` and across world sizes, transports and gradient compressions (with `--hosts`,
 //! across hosts of network namespaces on a slow link; with `--shard`, the sharded optimizer's
 //! memory and speed; with `--fsdp`, each rank's memory under DDP, ZeRO-2 and fully sharded
-//! blocks, see `fsdp`). It prints figures, it does not pass or fail; it builds in the release
-//! profile unless given `--debug` (the smoke test's way to run it quickly).
+//! blocks, see `fsdp`; with `--overlap`, the communication a step waits for when the blocks'
+//! all-reduces start inside backward, against after it). It prints figures, it does not pass or
+//! fail; it builds in the release profile unless given `--debug` (the smoke test's way to run it
+//! quickly).
 
 mod fsdp;
 mod run;
@@ -16,8 +18,9 @@ use clap::Args;
 use run::{Timing, TrainRun, median, rate, step};
 use runner::{Runner, Shared, TRANSFORMER};
 use runs::{
-    across_hosts_runs, print_shard_table, shard_runs, summarise_across_hosts, summarise_shard,
-    summarise_this_host, summarise_transformer, this_host_runs, transformer_runs,
+    OVERLAP_LINK, across_hosts_runs, overlap_runs, print_shard_table, shard_runs,
+    summarise_across_hosts, summarise_overlap, summarise_shard, summarise_this_host,
+    summarise_transformer, this_host_runs, transformer_runs,
 };
 
 /// Quickstart step time of DdpLearner at world size 1 against burn's Learner, and samples/s at
@@ -51,8 +54,9 @@ pub struct BenchTrain {
     /// With --hosts: ranks per host
     #[arg(long, value_name = "N", default_value_t = 1, requires = "hosts")]
     nproc_per_host: usize,
-    /// With --hosts: rate of each host's link in tc syntax (`1gbit`) [default: unlimited]
-    #[arg(long, value_name = "RATE", requires = "hosts")]
+    /// With --hosts or --overlap: rate of each host's link in tc syntax (`1gbit`) [default:
+    /// unlimited; with --overlap: 1gbit]
+    #[arg(long, value_name = "RATE")]
     link_rate: Option<String>,
     /// The sharded optimizer: a 20.6 M-parameter transformer (the `charlm` program's, 26
     /// blocks of width 256) with AdamW at world 1, 2 and 4, unsharded and sharded (optimizer;
@@ -67,6 +71,13 @@ pub struct BenchTrain {
     /// controller, DDP and FSDP at world 4 with each rank capped between their peaks
     #[arg(long, conflicts_with_all = ["hosts", "model", "samples", "shard", "epochs"])]
     fsdp: bool,
+    /// Overlap of communication with backward: the `charlm` transformer (8 blocks of width
+    /// 256) across 2 hosts of network namespaces (root) on a link of --link-rate [default:
+    /// 1gbit], with its gradients reduced after backward (DdpLearner's reducer) and with each
+    /// block's all-reduce started inside backward (`--fsdp none`): the communication each step
+    /// waits for
+    #[arg(long, conflicts_with_all = ["hosts", "model", "samples", "shard", "fsdp"])]
+    overlap: bool,
     /// With --fsdp: width of the transformer
     #[arg(long, value_name = "D", default_value_t = 1024, requires = "fsdp")]
     width: usize,
@@ -89,13 +100,15 @@ pub struct BenchTrain {
 
 impl BenchTrain {
     fn epochs(&self) -> usize {
-        self.epochs.unwrap_or(if self.shard { 1 } else { 3 })
+        self.epochs
+            .unwrap_or(if self.shard || self.overlap { 1 } else { 3 })
     }
 
     fn batch_size(&self) -> usize {
-        let default = match (self.shard, self.fsdp) {
-            (true, _) => 4,
-            (_, true) => 2,
+        let default = match (self.shard, self.fsdp, self.overlap) {
+            (true, _, _) => 4,
+            (_, true, _) => 2,
+            (_, _, true) => 16,
             _ => 32,
         };
         self.batch_size.unwrap_or(default)
@@ -105,9 +118,9 @@ impl BenchTrain {
         self.repeats.unwrap_or(if self.fsdp { 1 } else { 3 }).max(1)
     }
 
-    /// The network: the transformer with --shard.
+    /// The network: the transformer with --shard and --overlap.
     fn model(&self) -> Option<&str> {
-        if self.shard {
+        if self.shard || self.overlap {
             Some(runner::TRANSFORMER)
         } else {
             self.model.as_deref()
@@ -130,17 +143,25 @@ pub fn bench_train(task: BenchTrain) -> Result<()> {
             debug: task.debug,
         });
     }
+    if task.link_rate.is_some() && task.hosts.is_none() && !task.overlap {
+        anyhow::bail!("--link-rate needs --hosts or --overlap");
+    }
+    let link_rate = match task.overlap {
+        true => Some(task.link_rate.as_deref().unwrap_or(OVERLAP_LINK)),
+        false => task.link_rate.as_deref(),
+    };
     let runner = Runner::new(Shared {
         epochs: task.epochs(),
         batch_size: task.batch_size(),
         samples: task.samples,
         model: task.model(),
-        hosts: task.hosts,
-        link_rate: task.link_rate.as_deref(),
+        hosts: if task.overlap { Some(2) } else { task.hosts },
+        link_rate,
         debug: task.debug,
     })?;
     let transformer = task.model() == Some(TRANSFORMER);
     let runs = match task.hosts {
+        _ if task.overlap => overlap_runs(link_rate.unwrap_or(OVERLAP_LINK)),
         Some(hosts) => across_hosts_runs(hosts, task.nproc_per_host, task.link_rate.as_deref()),
         None if task.shard => shard_runs(),
         None if transformer => transformer_runs(),
@@ -161,6 +182,7 @@ pub fn bench_train(task: BenchTrain) -> Result<()> {
     }
     print_table(&task, &model, repeats, &runs, &timings);
     match task.hosts {
+        _ if task.overlap => summarise_overlap(&timings),
         Some(hosts) => summarise_across_hosts(&timings, hosts * task.nproc_per_host),
         None if transformer => summarise_transformer(&timings),
         None => summarise_this_host(&timings),

@@ -16,8 +16,8 @@ use super::{ShardingStrategy, Shared};
 use crate::error::Result;
 use crate::{ProcessGroup, ReduceOp, Work};
 
-/// Reductions in flight at once: more waits for the oldest first, so at most this many blocks'
-/// whole gradients wait for the wire.
+/// Reductions of sharded blocks in flight at once: more waits for the oldest first, so at most
+/// this many blocks' whole gradients wait for the wire.
 const IN_FLIGHT: usize = 2;
 
 /// A block's reduction, started in backward.
@@ -153,7 +153,9 @@ pub(super) fn backward(
                 node,
                 work,
             });
-            match s.in_flight.len() > IN_FLIGHT {
+            // With `NoShard` the whole gradients are the result anyway (as DDP's buckets): no
+            // limit, so that backward never waits for the wire before its end.
+            match block.strategy.shards() && s.in_flight.len() > IN_FLIGHT {
                 true => s.in_flight.pop_front(),
                 false => None,
             }

@@ -148,6 +148,56 @@ pub(super) fn summarise_across_hosts(timings: &[Vec<Timing>], world: usize) {
     );
 }
 
+/// The link of `bench-train --overlap` unless `--link-rate` says otherwise.
+pub(super) const OVERLAP_LINK: &str = "1gbit";
+
+/// The transformer of `bench-train --overlap`: 8 blocks of width 256 (6.4 M parameters), on
+/// the text's first 512 sequences.
+const OVERLAP_LM: &[&str] = &[
+    "--d-model",
+    "256",
+    "--layers",
+    "8",
+    "--max-sequences",
+    "512",
+];
+
+/// The runs of `bench-train --overlap`: world 2 across 2 hosts on `link`, the gradients
+/// reduced after backward, then each block's all-reduce started inside backward.
+pub(super) fn overlap_runs(link: &str) -> Vec<TrainRun> {
+    let across = format!("world 2, 2 hosts, link {link}");
+    let run = |label: String| {
+        (TrainRun::here(label, 1).args(OVERLAP_LM))
+            .transport("auto")
+            .across_hosts()
+    };
+    vec![
+        run(format!("{across}, reduced after backward")),
+        run(format!("{across}, --fsdp none")).args(&["--fsdp", "none"]),
+    ]
+}
+
+/// The summary of [`overlap_runs`]: the communication a step waits for, inside backward
+/// against after it (target: at most 0.3).
+pub(super) fn summarise_overlap(timings: &[Vec<Timing>]) {
+    let [after, inside] = timings else {
+        unreachable!("one timing list per run")
+    };
+    let exposed = |t: &[Timing]| median(t.iter().map(|t| t.exposed_ms).collect());
+    let ratio = exposed(inside) / exposed(after).max(f64::MIN_POSITIVE);
+    let met = if ratio <= 0.3 { "met" } else { "NOT met" };
+    println!(
+        "overlap: each block's all-reduce started inside backward (--fsdp none) leaves {:.1} ms \
+         per step exposed against {:.1} ms reduced after backward: {ratio:.3} (target <= 0.3: \
+         {met}); step time {:.1} against {:.1} ms ({:.3})",
+        exposed(inside),
+        exposed(after),
+        step(inside),
+        step(after),
+        step(inside) / step(after)
+    );
+}
+
 /// The transformer of `bench-train --shard`: 26 blocks of width 256 (20.6 M parameters), on
 /// the text's first 64 sequences.
 const LM: &[&str] = &[
