@@ -30,10 +30,11 @@ use burn::nn::transformer::{
     TransformerEncoder, TransformerEncoderConfig, TransformerEncoderInput, TransformerEncoderLayer,
 };
 use burn::nn::{Embedding, EmbeddingConfig, LayerNorm, LayerNormConfig, Linear, LinearConfig};
-use burn::optim::AdamWConfig;
 use burn::optim::grad_clipping::GradientClippingConfig;
 use burn::optim::lr_scheduler::module_lr_scheduler::ModuleLrScheduler;
 use burn::optim::lr_scheduler::noam::NoamLrSchedulerConfig;
+use burn::optim::momentum::MomentumConfig;
+use burn::optim::{AdamWConfig, ModuleOptimizer, SgdConfig};
 use burn::tensor::{Device, Int, Tensor, TensorData};
 use burn::train::{ClassificationOutput, InferenceStep, TrainOutput, TrainStep};
 use burn_ddp::ProcessGroup;
@@ -95,6 +96,35 @@ pub struct LmConfig {
     pub fsdp: Option<ShardingStrategy>,
     /// Directory of burn-ddp checkpoints (every epoch; resumed from when one is there).
     pub checkpoint_dir: Option<std::path::PathBuf>,
+    /// The optimizer.
+    pub optimizer: LmOptimizer,
+}
+
+/// The optimizer of a `charlm` run (`--optimizer`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
+pub enum LmOptimizer {
+    /// AdamW, weight decay 0.01 (two moments per parameter).
+    #[default]
+    #[value(name = "adamw")]
+    AdamW,
+    /// SGD with momentum 0.9 (one momentum buffer per parameter).
+    SgdMomentum,
+}
+
+impl LmOptimizer {
+    /// The optimizer, clipping gradients by `clip`.
+    fn init(self, clip: GradientClippingConfig) -> ModuleOptimizer {
+        match self {
+            LmOptimizer::AdamW => AdamWConfig::new()
+                .with_weight_decay(0.01)
+                .with_grad_clipping(Some(clip))
+                .init(),
+            LmOptimizer::SgdMomentum => SgdConfig::new()
+                .with_momentum(Some(MomentumConfig::new().with_momentum(0.9)))
+                .with_gradient_clipping(Some(clip))
+                .init(),
+        }
+    }
 }
 
 impl Default for LmConfig {
@@ -120,6 +150,7 @@ impl Default for LmConfig {
             shard: crate::ShardFlag::None,
             fsdp: None,
             checkpoint_dir: None,
+            optimizer: LmOptimizer::AdamW,
         }
     }
 }
@@ -335,13 +366,10 @@ pub fn train_model(group: Arc<ProcessGroup>, cfg: &LmConfig, model: CharLm) -> R
         let world = group.world_size();
         valid_data = valid_data.first(valid_data.len() / world * world);
     }
-    let optim = AdamWConfig::new()
-        .with_weight_decay(0.01)
-        .with_grad_clipping(Some(match cfg.fsdp {
-            Some(_) => GradientClippingConfig::Value(cfg.clip),
-            None => GradientClippingConfig::Norm(cfg.clip),
-        }))
-        .init();
+    let optim = cfg.optimizer.init(match cfg.fsdp {
+        Some(_) => GradientClippingConfig::Value(cfg.clip),
+        None => GradientClippingConfig::Norm(cfg.clip),
+    });
     let learning = Learning {
         model,
         optim,
@@ -368,6 +396,7 @@ pub fn train_model(group: Arc<ProcessGroup>, cfg: &LmConfig, model: CharLm) -> R
             .setting("lr", cfg.lr)
             .setting("seed", cfg.seed)
             .setting("dropout", cfg.dropout)
+            .setting("optimizer", format!("{:?}", cfg.optimizer))
             .setting(
                 "model",
                 format!("{}x{}x{}", cfg.layers, cfg.d_model, cfg.heads),

@@ -10,7 +10,7 @@ use burn::module::Module;
 use burn_ddp::ProcessGroup;
 use burn_ddp::fsdp::ShardingStrategy;
 use burn_ddp::store::StoreServer;
-use quickstart::charlm::{CharLm, LmConfig, device, train_model};
+use quickstart::charlm::{CharLm, LmConfig, LmOptimizer, device, train_model};
 
 /// The final parameters of every rank of a world of `n` training `model` with `cfg`.
 fn world(n: usize, cfg: &LmConfig, model: &CharLm) -> Vec<Vec<f32>> {
@@ -348,27 +348,50 @@ fn against_unwrapped(
     name: &str,
     strategies: &[ShardingStrategy],
 ) -> Vec<u64> {
-    let unwrapped = ranks_of(n, epochs, &format!("{name}-unwrapped"), None);
+    against_unwrapped_with(n, epochs, name, strategies, LmOptimizer::AdamW)
+}
+
+/// [`against_unwrapped`] with `optimizer`.
+fn against_unwrapped_with(
+    n: usize,
+    epochs: usize,
+    name: &str,
+    strategies: &[ShardingStrategy],
+    optimizer: LmOptimizer,
+) -> Vec<u64> {
+    let unwrapped = LmConfig {
+        optimizer,
+        ..ranks_of(n, epochs, &format!("{name}-unwrapped"), None)
+    };
     let device = device();
     device.seed(unwrapped.seed);
     let model = CharLm::init(&device, &unwrapped).materialize();
     let reference = world(n, &unwrapped, &model).remove(0);
     let _ = std::fs::remove_dir_all(&unwrapped.artifacts);
+    let moved = relative_error(&reference, &burn_ddp::train::parameters_to_vector(&model));
+    eprintln!("{optimizer:?}: training moved the parameters by {moved:.2e} (relative)");
+    assert!(
+        moved > 1e-3,
+        "{optimizer:?}: training did not move the parameters ({moved:.2e})"
+    );
     let mut gathers = Vec::new();
     for &strategy in strategies {
-        let cfg = ranks_of(
-            n,
-            epochs,
-            &format!("{name}-{}", strategy.name()),
-            Some(strategy),
-        );
+        let cfg = LmConfig {
+            optimizer,
+            ..ranks_of(
+                n,
+                epochs,
+                &format!("{name}-{}", strategy.name()),
+                Some(strategy),
+            )
+        };
         let ranks = world_counting_gathers(n, &cfg, &model);
         let _ = std::fs::remove_dir_all(&cfg.artifacts);
         for (rank, (params, _)) in ranks.iter().enumerate() {
             let error = relative_error(params, &reference);
             eprintln!(
-                "world {n}, {epochs} epoch(s), fsdp {} against unwrapped, rank {rank}: \
-                 relative error {error:.2e}",
+                "world {n}, {epochs} epoch(s), {optimizer:?}, fsdp {} against unwrapped, rank \
+                 {rank}: relative error {error:.2e}",
                 strategy.name()
             );
             assert!(
@@ -424,4 +447,14 @@ fn world_4_with_each_strategy_ends_where_the_unwrapped_model_does_after_3_epochs
         "gathers: {gathers:?}"
     );
     assert_eq!(gathers[2], 0, "fsdp none gathered");
+}
+
+#[test]
+fn world_4_with_sgd_momentum_and_each_strategy_ends_where_the_unwrapped_model_does() {
+    let strategies = [
+        ShardingStrategy::FullShard,
+        ShardingStrategy::ShardGradOp,
+        ShardingStrategy::NoShard,
+    ];
+    against_unwrapped_with(4, 3, "w4-sgd", &strategies, LmOptimizer::SgdMomentum);
 }

@@ -19,7 +19,7 @@ use burn_ddp::fsdp::ShardingStrategy;
 use clap::Parser;
 use clap::builder::{PossibleValuesParser, RangedU64ValueParser, TypedValueParser};
 use quickstart::ShardFlag;
-use quickstart::charlm::{LmConfig, train};
+use quickstart::charlm::{LmConfig, LmOptimizer, train};
 
 /// A decoder-only transformer on Cicero, character by character, data-parallel.
 #[derive(Debug, Parser)]
@@ -89,6 +89,9 @@ struct Flags {
     /// Gradients are then clipped by value instead of by norm
     #[arg(long, value_name = "STRATEGY", conflicts_with = "plain", value_parser = strategy())]
     fsdp: Option<ShardingStrategy>,
+    /// The optimizer: AdamW (weight decay 0.01) or SGD with momentum 0.9
+    #[arg(long, value_enum, default_value = "adamw")]
+    optimizer: LmOptimizer,
     /// Directory of burn-ddp checkpoints (the whole model and optimizer state, written every
     /// epoch; resumed from when present, at any world size). A checkpoint of an --fsdp run
     /// resumes with any --fsdp strategy; charlm keeps its wrapped blocks in another field than
@@ -146,6 +149,7 @@ fn run() -> anyhow::Result<()> {
         layers: f.layers,
         shard: f.shard,
         fsdp: f.fsdp,
+        optimizer: f.optimizer,
         checkpoint_dir: f.checkpoint_dir.clone(),
         ..LmConfig::default()
     };
