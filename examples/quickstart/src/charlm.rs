@@ -70,9 +70,10 @@ pub struct LmConfig {
     pub lr: f64,
     /// Warm-up steps of the learning-rate schedule.
     pub warmup: usize,
-    /// Largest gradient norm (clipping), per parameter tensor as burn clips. With [`Self::fsdp`]
-    /// the largest gradient element instead (clipping by value): a wrapped block is one flat
-    /// tensor to the optimizer, this rank's piece of it, whose norm means nothing to the block.
+    /// Largest gradient norm (clipping): the global norm of the whole model's averaged
+    /// gradients (`DdpLearner::clip_grad_norm`, PyTorch's `clip_grad_norm_`), wrapped blocks
+    /// included; with [`Self::plain`], each parameter tensor's own norm, as burn's optimizers
+    /// clip.
     pub clip: f32,
     /// Job seed (initialisation, shuffling; dropout with the rank).
     pub seed: u64,
@@ -112,16 +113,16 @@ pub enum LmOptimizer {
 }
 
 impl LmOptimizer {
-    /// The optimizer, clipping gradients by `clip`.
-    fn init(self, clip: GradientClippingConfig) -> ModuleOptimizer {
+    /// The optimizer, clipping gradients by `clip` if given.
+    fn init(self, clip: Option<GradientClippingConfig>) -> ModuleOptimizer {
         match self {
             LmOptimizer::AdamW => AdamWConfig::new()
                 .with_weight_decay(0.01)
-                .with_grad_clipping(Some(clip))
+                .with_grad_clipping(clip)
                 .init(),
             LmOptimizer::SgdMomentum => SgdConfig::new()
                 .with_momentum(Some(MomentumConfig::new().with_momentum(0.9)))
-                .with_gradient_clipping(Some(clip))
+                .with_gradient_clipping(clip)
                 .init(),
         }
     }
@@ -366,10 +367,8 @@ pub fn train_model(group: Arc<ProcessGroup>, cfg: &LmConfig, model: CharLm) -> R
         let world = group.world_size();
         valid_data = valid_data.first(valid_data.len() / world * world);
     }
-    let optim = cfg.optimizer.init(match cfg.fsdp {
-        Some(_) => GradientClippingConfig::Value(cfg.clip),
-        None => GradientClippingConfig::Norm(cfg.clip),
-    });
+    // DdpLearner clips the global norm (below); burn's Learner only each tensor's own.
+    let optim = (cfg.optimizer).init(cfg.plain.then_some(GradientClippingConfig::Norm(cfg.clip)));
     let learning = Learning {
         model,
         optim,
@@ -391,6 +390,7 @@ pub fn train_model(group: Arc<ProcessGroup>, cfg: &LmConfig, model: CharLm) -> R
     };
     let settings_of = |training, learner: DdpLearner<CharLm>| {
         let learner = learner
+            .clip_grad_norm(cfg.clip)
             .setting("batch_size", cfg.batch_size)
             .setting("seq_len", cfg.seq_len)
             .setting("lr", cfg.lr)

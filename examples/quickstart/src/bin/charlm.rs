@@ -11,7 +11,8 @@
 //! ```
 //!
 //! `--fsdp full|grad-op|none` wraps each transformer block in burn-ddp's `Fsdp` (fully sharded
-//! data parallelism, `docs/guide/fsdp.md`); gradients are then clipped by value, not by norm.
+//! data parallelism, `docs/guide/fsdp.md`). Gradients are clipped by the global norm of the
+//! whole model (`DdpLearner::clip_grad_norm`), wrapped or not.
 
 use std::path::PathBuf;
 
@@ -85,8 +86,7 @@ struct Flags {
     shard: ShardFlag,
     /// Wrap each transformer block in burn-ddp's Fsdp: parameters, gradients and optimizer
     /// state sharded (full: the gathered blocks dropped after forward, gradient checkpointing
-    /// on; grad-op: kept until backward), or none (whole blocks, reduced inside backward).
-    /// Gradients are then clipped by value instead of by norm
+    /// on; grad-op: kept until backward), or none (whole blocks, reduced inside backward)
     #[arg(long, value_name = "STRATEGY", conflicts_with = "plain", value_parser = strategy())]
     fsdp: Option<ShardingStrategy>,
     /// The optimizer: AdamW (weight decay 0.01) or SGD with momentum 0.9
