@@ -122,13 +122,22 @@ fn install() -> std::io::Result<()> {
                 dispatch(signal);
             }
         })?;
-    crate::sys::signal::hold(&STOP_SIGNALS)?;
+    let held = crate::sys::signal::hold(&STOP_SIGNALS)?;
     let signals = signal_hook::iterator::Signals::new(STOP_SIGNALS);
     let mut early = crate::sys::signal::release();
-    let mut signals =
-        signals.inspect_err(|_| crate::sys::signal::restore_default(&STOP_SIGNALS))?;
-    // A signal that arrived after signal-hook's handler was in place but before the release was
-    // both recorded and delivered to `signals`: counted once.
+    let mut signals = match signals {
+        Ok(signals) => signals,
+        Err(e) => {
+            // Nobody will read them: the default action again, and a signal that came
+            // meanwhile has it now.
+            crate::sys::signal::give_back(&held, &early);
+            return Err(e);
+        }
+    };
+    // A signal that arrived after signal-hook's handler was in place but before the release
+    // was most often both recorded and delivered to `signals`: merged into one. (One handled
+    // on another thread right at the release may still come twice, microseconds apart: the
+    // same request, see `Repeats`.)
     early.extend(signals.pending());
     early.sort_unstable();
     early.dedup();

@@ -153,10 +153,11 @@ pub(super) fn backward(
                 node,
                 work,
             });
-            // With `NoShard` the whole gradients are the result anyway (as DDP's buckets): no
-            // limit, so that backward never waits for the wire before its end.
-            match block.strategy.shards() && s.in_flight.len() > IN_FLIGHT {
-                true => s.in_flight.pop_front(),
+            // Only sharded blocks count: with `NoShard` the whole gradients are the result
+            // anyway (as DDP's buckets), so backward never waits for their wire before its end.
+            let sharded = |p: &Pending| p.block.strategy.shards();
+            match s.in_flight.iter().filter(|p| sharded(p)).count() > IN_FLIGHT {
+                true => (s.in_flight.iter().position(sharded)).and_then(|i| s.in_flight.remove(i)),
                 false => None,
             }
         });

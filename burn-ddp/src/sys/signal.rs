@@ -27,36 +27,42 @@ extern "C" fn record(signal: libc::c_int) {
     }
 }
 
-/// Installs the recording handler for each of `signals` that has its default action; leaves
-/// any other action (a handler of the program's own, or `SIG_IGN`) in place. On an error, the
-/// signals it installed the handler for get their default action back (a handler nobody reads
-/// would swallow them). Must come before [`release`].
-pub(crate) fn hold(signals: &[i32]) -> io::Result<()> {
+/// Installs the recording handler for each of `signals` that has its default action, and
+/// returns those; leaves any other action (a handler of the program's own, or `SIG_IGN`)
+/// alone. On an error, the signals it installed the handler for get their default action back
+/// (a handler nobody reads would swallow them). Must come before [`release`].
+pub(crate) fn hold(signals: &[i32]) -> io::Result<Vec<i32>> {
     let mut held = Vec::new();
     for &signal in signals {
         match hold_one(signal) {
             Ok(true) => held.push(signal),
             Ok(false) => {}
             Err(e) => {
-                restore_default(&held);
+                give_back(&held, &[]);
                 return Err(e);
             }
         }
     }
-    Ok(())
+    Ok(held)
 }
 
-/// Gives `signals` their default action back: after [`hold`], when the handlers meant to
-/// follow could not be installed (this module's handler alone would swallow the signals).
-pub(crate) fn restore_default(signals: &[i32]) {
-    for &signal in signals {
+/// Gives the `held` signals their default action back, then raises those of them in `early`
+/// (recorded while held) again, so that their default action happens (the process ends): for
+/// when the handlers meant to follow [`hold`] could not be installed (this module's handler
+/// alone would swallow the signals).
+pub(crate) fn give_back(held: &[i32], early: &[i32]) {
+    for &signal in held {
         // SAFETY: `SIG_DFL` is always a valid action; an invalid signal number only makes it
         // fail (EINVAL), which leaves nothing changed.
         unsafe { libc::signal(signal, libc::SIG_DFL) };
     }
+    for signal in early.iter().filter(|s| held.contains(s)) {
+        // SAFETY: sends a signal to the calling thread; its action is the default one now.
+        unsafe { libc::raise(*signal) };
+    }
 }
 
-/// [`hold`] for one signal; whether it installed the handler.
+/// [`hold`] for one signal; whether it installed the handler (only over the default action).
 fn hold_one(signal: i32) -> io::Result<bool> {
     if !(1..64).contains(&signal) {
         return Err(io::Error::new(
@@ -66,34 +72,32 @@ fn hold_one(signal: i32) -> io::Result<bool> {
     }
     // SAFETY: `sigaction` is plain data for which all zeroes is a valid value (no handler, no
     // flags, an empty mask once `sigemptyset` ran on it).
-    let mut action: libc::sigaction = unsafe { std::mem::zeroed() };
+    let mut current: libc::sigaction = unsafe { std::mem::zeroed() };
+    // SAFETY: reads the signal's action into a live, writable value of this frame.
+    if unsafe { libc::sigaction(signal, std::ptr::null(), &mut current) } != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    if current.sa_sigaction != libc::SIG_DFL {
+        return Ok(false);
+    }
     // SAFETY: as above.
-    let mut previous: libc::sigaction = unsafe { std::mem::zeroed() };
+    let mut action: libc::sigaction = unsafe { std::mem::zeroed() };
     action.sa_sigaction = record as extern "C" fn(libc::c_int) as libc::sighandler_t;
     action.sa_flags = libc::SA_RESTART;
-    // SAFETY: both pointers are to live, writable `sigaction` values of this frame; the handler
-    // is an `extern "C" fn(c_int)` (no `SA_SIGINFO`) that touches only lock-free atomics.
+    // SAFETY: the pointer is to a live `sigaction` of this frame; the handler is an
+    // `extern "C" fn(c_int)` (no `SA_SIGINFO`) that touches only lock-free atomics.
     let installed = unsafe {
         libc::sigemptyset(&mut action.sa_mask) == 0
-            && libc::sigaction(signal, &action, &mut previous) == 0
+            && libc::sigaction(signal, &action, std::ptr::null_mut()) == 0
     };
-    if !installed {
-        return Err(io::Error::last_os_error());
+    match installed {
+        true => Ok(true),
+        false => Err(io::Error::last_os_error()),
     }
-    if previous.sa_sigaction == libc::SIG_DFL {
-        return Ok(true);
-    }
-    // Someone else's action: theirs again (a signal in between was recorded, and is handed
-    // over with the others).
-    // SAFETY: `previous` is the action `sigaction` just returned for this signal.
-    if unsafe { libc::sigaction(signal, &previous, std::ptr::null_mut()) } != 0 {
-        return Err(io::Error::last_os_error());
-    }
-    Ok(false)
 }
 
-/// Stops recording and returns the signals recorded since the first [`hold`] (in increasing
-/// number), each once.
+/// Stops recording and returns the signals recorded since the first [`hold`], each once (in
+/// increasing number: the order they arrived in is not kept).
 pub(crate) fn release() -> Vec<i32> {
     RECORDING.store(false, Ordering::SeqCst);
     let recorded = RECORDED.swap(0, Ordering::SeqCst);
@@ -107,30 +111,34 @@ mod tests {
     /// Set in the child process [`held_signals_are_recorded_then_handed_over`] starts.
     const CHILD_VAR: &str = "BURN_DDP_SYS_SIGNAL_CHILD";
 
-    /// In the child: SIGTERM held, sent to itself, released; then its default action back and
-    /// SIGTERM sent again (which ends the child).
+    /// In the child: SIGTERM held, raised, released; raised again (nothing recorded); then
+    /// given back with what was recorded (which ends the child).
     #[test]
     fn held_signal_child() {
         if std::env::var_os(CHILD_VAR).is_none() {
             return;
         }
         let term = libc::SIGTERM;
-        super::hold(&[term]).unwrap();
-        let me = rustix::process::getpid();
-        // Delivered before `kill_process` returns (it is not blocked in this thread).
-        rustix::process::kill_process(me, rustix::process::Signal::TERM).unwrap();
-        println!("RELEASED {:?}", super::release());
-        rustix::process::kill_process(me, rustix::process::Signal::TERM).unwrap();
+        let held = super::hold(&[term]).unwrap();
+        println!("HELD {held:?}");
+        // `raise`: to this thread, handled before it returns (a signal to the process may go
+        // to another thread, and later).
+        // SAFETY: sends SIGTERM to this thread, whose action is the recording handler.
+        unsafe { libc::raise(term) };
+        let early = super::release();
+        println!("RELEASED {early:?}");
+        // SAFETY: as above (the handler no longer records).
+        unsafe { libc::raise(term) };
         println!("RELEASED AGAIN {:?}", super::release());
-        super::restore_default(&[term]);
-        rustix::process::kill_process(me, rustix::process::Signal::TERM).unwrap();
+        // The default action back, and the signal recorded while held raised again: the end.
+        super::give_back(&held, &early);
         std::thread::sleep(std::time::Duration::from_secs(5));
         println!("STILL ALIVE");
     }
 
     /// A signal that arrives while held is recorded (not the default action: the process
-    /// lives) and handed over once; after the release the handler records nothing; with the
-    /// default action back, the signal ends the process.
+    /// lives) and handed over once; after the release the handler records nothing; given back,
+    /// the signal recorded while held has its default action (the process ends by it).
     #[test]
     fn held_signals_are_recorded_then_handed_over() {
         use std::os::unix::process::ExitStatusExt;
