@@ -1,5 +1,6 @@
-//! `gpu_check fsdp`: two linear layers wrapped in `Fsdp` (each strategy; `full` on a device
-//! with gradient checkpointing, so its backward gathers again) take one SGD step on each rank's
+//! `gpu_check fsdp`: three linear layers wrapped in `Fsdp` (each strategy; `full` on a device
+//! with gradient checkpointing, so its backward gathers again, the middle layer's gather started
+//! ahead while the last layer's backward runs) take one SGD step on each rank's
 //! rows of a batch; the layers gathered back must have moved as the unwrapped layers stepped on
 //! the whole batch in this process move (relative error of the update at most 2e-2: the two
 //! multiply different numbers of rows, so burn's TF32 matmul rounds them differently; a sum
@@ -21,7 +22,7 @@ use crate::verdict::relative_error;
 
 const BATCH: usize = 8;
 /// Odd widths, so that a block's elements do not divide evenly among the ranks (padding).
-const WIDTHS: [usize; 3] = [13, 11, 7];
+const WIDTHS: [usize; 4] = [13, 11, 9, 7];
 
 /// The unwrapped network.
 #[derive(Module, Debug)]
@@ -29,7 +30,7 @@ struct Plain {
     layers: Vec<Linear>,
 }
 
-/// The network with both layers wrapped.
+/// The network with every layer wrapped.
 #[derive(Module, Debug)]
 struct Wrapped {
     layers: Vec<Fsdp<Linear>>,
@@ -43,7 +44,7 @@ fn values(n: usize, seed: usize) -> Vec<f32> {
 }
 
 fn layers(device: &Device) -> Vec<Linear> {
-    (0..2)
+    (0..WIDTHS.len() - 1)
         .map(|i| {
             let (inp, out) = (WIDTHS[i], WIDTHS[i + 1]);
             let mut l = LinearConfig::new(inp, out).init(device);
@@ -108,8 +109,16 @@ fn wrapped(
     };
     let before = whole(&net)?;
     let rows = rank * BATCH / world..(rank + 1) * BATCH / world;
+    let counted = fsdp::stats();
     let y = fsdp::forward_chain(&net.layers, batch(rows, device), |l, x| l.forward(x).tanh());
     let grads = GradientsParams::from_grads(loss(y).backward(), &net);
+    let ahead = (fsdp::stats() - counted).backward_prefetches;
+    // `full` runs under checkpointing: the middle layer (its input has a gradient) is gathered
+    // ahead while the last layer's backward runs.
+    let want_ahead = u64::from(strategy == ShardingStrategy::FullShard);
+    if ahead != want_ahead {
+        anyhow::bail!("{ahead} gather(s) started ahead in backward, expected {want_ahead}");
+    }
     let net = SgdConfig::new().init().step(1.0, net, grads);
     let after = whole(&net)?;
     Ok(after
