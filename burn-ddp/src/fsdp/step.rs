@@ -59,10 +59,15 @@ thread_local! {
     static STEP: RefCell<Step> = RefCell::default();
 }
 
+/// How [`Step`] tells blocks apart: the address of what every copy of a block shares.
+fn key(block: &Arc<Shared>) -> usize {
+    Arc::as_ptr(block) as usize
+}
+
 /// A tracked forward pass gathered `block`; `ahead` is its shard (no autodiff) when backward
 /// may gather it ahead of its need (its input has a gradient, see [`ahead_of`]).
 pub(super) fn forward(block: &Arc<Shared>, ahead: Option<Tensor<1>>) -> Result<()> {
-    let key = Arc::as_ptr(block) as usize;
+    let key = key(block);
     STEP.with(|s| {
         let mut s = s.borrow_mut();
         if s.gathered.iter().any(|g| g.key == key) {
@@ -92,7 +97,7 @@ pub(super) fn forward(block: &Arc<Shared>, ahead: Option<Tensor<1>>) -> Result<(
 
 /// The gather backward started ahead for `block`, if any (taken: the caller waits for it).
 pub(super) fn take_prefetched(block: &Arc<Shared>) -> Option<Work<Tensor<1>>> {
-    let key = Arc::as_ptr(block) as usize;
+    let key = key(block);
     STEP.with(|s| {
         let mut s = s.borrow_mut();
         match &s.prefetched {
@@ -106,7 +111,7 @@ pub(super) fn take_prefetched(block: &Arc<Shared>) -> Option<Work<Tensor<1>>> {
 /// shard, when it is to be gathered ahead: it allows it, its backward has not run, it is not
 /// gathered again already, and no other gather ahead is waiting.
 pub(super) fn ahead_of(block: &Arc<Shared>) -> Option<(Arc<Shared>, Tensor<1>)> {
-    let key = Arc::as_ptr(block) as usize;
+    let key = key(block);
     STEP.with(|s| {
         let s = s.borrow();
         let at = s.gathered.iter().position(|g| g.key == key)?;
@@ -120,7 +125,7 @@ pub(super) fn ahead_of(block: &Arc<Shared>) -> Option<(Arc<Shared>, Tensor<1>)> 
 
 /// Backward started gathering `block` ahead of its need (`work`).
 pub(super) fn prefetched(block: &Arc<Shared>, work: Work<Tensor<1>>) {
-    let key = Arc::as_ptr(block) as usize;
+    let key = key(block);
     STEP.with(|s| s.borrow_mut().prefetched = Some((key, work)));
     count(|s| s.backward_prefetches += 1);
 }
@@ -133,7 +138,7 @@ pub(super) fn backward(
     shard: Option<NodeId>,
     grad: Tensor<1>,
 ) -> Result<Vec<(NodeId, Tensor<1>, Arc<Shared>)>> {
-    let key = Arc::as_ptr(block) as usize;
+    let key = key(block);
     STEP.with(|s| {
         let mut s = s.borrow_mut();
         s.regathered.retain(|k| *k != key);
@@ -289,7 +294,7 @@ pub(super) fn wait_exposed<T: Send + 'static>(work: Work<T>, what: Wait) -> Resu
 
 /// Backward gathered `block` again (its gather's retro-forward).
 pub(super) fn regathered(block: &Arc<Shared>) {
-    let key = Arc::as_ptr(block) as usize;
+    let key = key(block);
     let held = STEP.with(|s| {
         let mut s = s.borrow_mut();
         s.regathered.push(key);

@@ -199,7 +199,13 @@ pub fn trace_events(dir: &std::path::Path, rank: usize) -> Vec<serde_json::Value
 /// The complete spans (`"ph": "X"`) of `rank`'s Chrome trace in `dir`: each span's name and
 /// duration in microseconds.
 pub fn trace_spans(dir: &std::path::Path, rank: usize) -> Vec<(String, f64)> {
-    (trace_events(dir, rank).iter())
+    spans_of(&trace_events(dir, rank))
+}
+
+/// The complete spans (`"ph": "X"`) among a trace's `events`: each span's name and duration in
+/// microseconds.
+pub fn spans_of(events: &[serde_json::Value]) -> Vec<(String, f64)> {
+    (events.iter())
         .filter(|e| e["ph"] == "X")
         .map(|e| {
             let name = e["name"].as_str().unwrap_or_default().to_string();

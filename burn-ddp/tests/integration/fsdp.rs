@@ -467,14 +467,7 @@ fn full_shard_backward_holds_one_gathered_block_at_a_time() {
                 .map(|_| FsdpConfig::new().init(LinearConfig::new(4, 4).init(&device), &group))
                 .collect::<burn_ddp::Result<Vec<_>>>()
                 .expect("wrap");
-            let x = Tensor::<2>::ones([2, 4], &device);
-            let before = fsdp::stats();
-            let y = fsdp::forward_chain(&layers, x, |l, x| match residual {
-                true => x.clone() + l.forward(x),
-                false => l.forward(x).tanh(),
-            });
-            let grads = GradientsParams::from_grads(y.sum().backward(), &layers);
-            let stats = fsdp::stats() - before;
+            let (stats, grads) = chain_step(&layers, &device, residual);
             (stats.gathers, stats.most_regathered, grads.len())
         });
         for (rank, (gathers, held, grads)) in got.into_iter().enumerate() {
@@ -507,14 +500,7 @@ fn backward_gathers_the_next_block_ahead_and_changes_nothing_else() {
                     .map(|i| config.init(fixed_linear(i, &device), &group))
                     .collect::<burn_ddp::Result<Vec<_>>>()
                     .expect("wrap");
-                let x = Tensor::<2>::ones([2, 4], &device);
-                let before = fsdp::stats();
-                let y = fsdp::forward_chain(&layers, x, |l, x| match residual {
-                    true => x.clone() + l.forward(x),
-                    false => l.forward(x).tanh(),
-                });
-                let grads = GradientsParams::from_grads(y.sum().backward(), &layers);
-                let stats = fsdp::stats() - before;
+                let (stats, grads) = chain_step(&layers, &device, residual);
                 let grads: Vec<Vec<f32>> = layers
                     .iter()
                     .map(|l| {
@@ -542,6 +528,24 @@ fn backward_gathers_the_next_block_ahead_and_changes_nothing_else() {
             assert_eq!(grads, grads_off, "{what}: the gradients changed");
         }
     }
+}
+
+/// One forward and backward pass of `layers` (4 wide) as a chain on ones, with `tanh` between
+/// the blocks or as a residual stream: the wrapped blocks' counters over it, and the gradients.
+fn chain_step(
+    layers: &[Fsdp<Linear>],
+    device: &Device,
+    residual: bool,
+) -> (fsdp::FsdpStats, GradientsParams) {
+    let x = Tensor::<2>::ones([2, 4], device);
+    let before = fsdp::stats();
+    let y = fsdp::forward_chain(layers, x, |l, x| match residual {
+        true => x.clone() + l.forward(x),
+        false => l.forward(x).tanh(),
+    });
+    // A `Vec` is the module (copies of the wrappers: the same parameters).
+    let grads = GradientsParams::from_grads(y.sum().backward(), &layers.to_vec());
+    (fsdp::stats() - before, grads)
 }
 
 /// A linear layer of 4 by 4 whose values depend on `i` (the same on every rank).

@@ -77,7 +77,8 @@ fn the_straggler_is_measured_and_every_rank_writes_its_trace() {
 
     let steps = DATA / 2 / 8;
     for rank in 0..2 {
-        let spans = crate::common::trace_spans(&dir, rank);
+        let events = crate::common::trace_events(&dir, rank);
+        let spans = crate::common::spans_of(&events);
         let count = |prefix: &str| spans.iter().filter(|(n, _)| n.starts_with(prefix)).count();
         assert_eq!(count("forward+backward"), steps, "rank {rank}");
         assert_eq!(count("optimizer step"), steps, "rank {rank}");
@@ -92,7 +93,7 @@ fn the_straggler_is_measured_and_every_rank_writes_its_trace() {
             "rank {rank}"
         );
         assert!(
-            (crate::common::trace_events(&dir, rank).iter()).all(|e| e["pid"] == rank),
+            events.iter().all(|e| e["pid"] == rank),
             "rank {rank}: one process lane"
         );
     }
