@@ -16,10 +16,11 @@ pub(crate) struct Parts {
     pub(crate) metadata: Vec<(String, String)>,
 }
 
-/// The parts of `record` (burnpack bytes), or why it is not a record.
-pub(crate) fn read(record: &[u8]) -> Result<Parts, String> {
+/// The parts of `record` (burnpack bytes), or why it is not a record. The parts' tensors are
+/// views of `record`'s buffer, not copies.
+pub(crate) fn read(record: Vec<u8>) -> Result<Parts, String> {
     let bad = |e: burn_pack::Error| format!("an optimizer record: {e}");
-    let reader = Reader::from_bytes(Bytes::from_bytes_vec(record.to_vec())).map_err(bad)?;
+    let reader = Reader::from_bytes(Bytes::from_bytes_vec(record)).map_err(bad)?;
     let scalars = reader.scalars().clone().into_iter().collect();
     let metadata = reader.metadata().clone().into_iter().collect();
     let tensors = reader.into_tensors().map_err(bad)?;

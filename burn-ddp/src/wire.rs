@@ -138,6 +138,11 @@ impl<'a> Reader<'a> {
         let b = self.bytes()?;
         String::from_utf8(b.to_vec()).map_err(|_| DecodeError::NotUtf8)
     }
+    /// Bytes not read yet.
+    #[cfg_attr(not(feature = "train"), allow(dead_code))]
+    pub(crate) fn left(&self) -> usize {
+        self.buf.len()
+    }
     /// Fails unless every byte was consumed.
     pub(crate) fn finish(&self) -> Result<(), DecodeError> {
         if self.buf.is_empty() {

@@ -106,10 +106,12 @@ pub(crate) fn whole_state<M: Module>(
     let index: HashMap<u64, usize> = (blocks.iter().enumerate())
         .map(|(i, b)| (b.listed.shard, i))
         .collect();
-    let taken = record.and_then(records::read).map(|mut parts| {
-        let entries = take_entries(&mut parts, blocks.len(), |id| index.get(&id).copied());
-        (parts, entries)
-    });
+    let taken = record
+        .and_then(|r| records::read(r.to_vec()))
+        .map(|mut parts| {
+            let entries = take_entries(&mut parts, blocks.len(), |id| index.get(&id).copied());
+            (parts, entries)
+        });
     // Every rank says what state its shards have (or why it cannot): the gathers below need
     // the same fields, of the same shard lengths, on every rank.
     let described = match &taken {
@@ -268,10 +270,10 @@ fn describe(
 /// rank's shard entries: the parameters' state concatenated in the block's order, cut as the
 /// parameters are. `model` must have been loaded from the record's model ([`super::load_full_record`]):
 /// the blocks' parameter ids are that record's. No collective.
-pub(crate) fn shard_state<M: Module>(model: &M, record: &[u8]) -> Result<Vec<u8>> {
+pub(crate) fn shard_state<M: Module>(model: &M, record: Vec<u8>) -> Result<Vec<u8>> {
     let blocks = blocks(model);
     if blocks.is_empty() {
-        return Ok(record.to_vec());
+        return Ok(record);
     }
     // Every parameter of every block, in order: (block, parameter in it).
     let flat: Vec<(usize, usize)> = (blocks.iter().enumerate())
@@ -310,8 +312,10 @@ pub(crate) fn shard_state<M: Module>(model: &M, record: &[u8]) -> Result<Vec<u8>
         let fields: std::collections::BTreeSet<&String> =
             params.iter().flat_map(|p| p.tensors.keys()).collect();
         for field in fields {
-            let mut joined: Vec<u8> = Vec::new();
+            // Each parameter's state, checked, then only this rank's part of it copied: the
+            // block's whole state is never joined.
             let mut dtype: Option<DType> = None;
+            let mut states = Vec::with_capacity(params.len());
             for (i, p) in shared.layout.params.iter().enumerate() {
                 let Some(t) = params[i].tensors.get(field) else {
                     return Err(block.error(format!(
@@ -331,8 +335,7 @@ pub(crate) fn shard_state<M: Module>(model: &M, record: &[u8]) -> Result<Vec<u8>
                         p.shape
                     )));
                 }
-                let bytes = t.to_bytes().map_err(|e| block.error(e.to_string()))?;
-                joined.extend_from_slice(&bytes);
+                states.push(t.to_bytes().map_err(|e| block.error(e.to_string()))?);
             }
             let Some(dtype) = dtype else { continue };
             let size = dtype.size();
@@ -341,10 +344,15 @@ pub(crate) fn shard_state<M: Module>(model: &M, record: &[u8]) -> Result<Vec<u8>
                 true => shared.group.rank() * n,
                 false => 0,
             };
+            // The padding past the block's last element stays zero.
             let mut piece = vec![0u8; n * size];
-            let from = (start * size).min(joined.len());
-            let to = ((start + n) * size).min(joined.len());
-            piece[..to - from].copy_from_slice(&joined[from..to]);
+            for (p, state) in shared.layout.params.iter().zip(&states) {
+                let (lo, hi) = (start.max(p.offset), (start + n).min(p.offset + p.numel()));
+                if lo < hi {
+                    piece[(lo - start) * size..(hi - start) * size]
+                        .copy_from_slice(&state[(lo - p.offset) * size..(hi - p.offset) * size]);
+                }
+            }
             let name = format!("{shard}{field}");
             let t =
                 burn_pack::Tensor::new(name, dtype, [n], Some(shard), Bytes::from_bytes_vec(piece));
@@ -427,7 +435,7 @@ pub fn load_full_optimizer_record<M: Module>(
 ) -> Result<OptimizerRecord> {
     let bytes =
         (record.into_bytes().map(|b| b.to_vec())).map_err(|e| fail(group, e.to_string()))?;
-    let sharded = shard_state(model, &bytes)?;
+    let sharded = shard_state(model, bytes)?;
     OptimizerRecord::from_bytes(Bytes::from_bytes_vec(sharded))
         .map_err(|e| fail(group, e.to_string()))
 }

@@ -189,15 +189,16 @@ impl Snapshot {
 
     /// Loads the records into `learner` (model parameters keep their device); of the optimizer's
     /// state, only that of the parameters `keep` names in the loaded model (all when `None`).
+    /// The records are handed to burn as they are, not copied.
     pub(crate) fn restore<M: LearnerModel>(
-        &self,
+        self,
         learner: &mut Learner<M>,
         keep: impl FnOnce(&M) -> Option<std::collections::HashSet<u64>>,
     ) -> std::result::Result<(), SnapshotError> {
-        let bytes = |v: &Vec<u8>| Bytes::from_bytes_vec(v.clone());
         let record = |what| move |source| SnapshotError::Record { what, source };
-        let model = ModuleRecord::from_bytes(bytes(&self.model)).map_err(record("model"))?;
-        let scheduler = LrSchedulerRecord::from_bytes(bytes(&self.scheduler))
+        let model =
+            ModuleRecord::from_bytes(Bytes::from_bytes_vec(self.model)).map_err(record("model"))?;
+        let scheduler = LrSchedulerRecord::from_bytes(Bytes::from_bytes_vec(self.scheduler))
             .map_err(record("learning-rate schedule"))?;
         // A whole model's record: wrapped blocks ([`crate::fsdp`]) keep this rank's piece.
         let blocks = |e: crate::DdpError| SnapshotError::Encode(e.to_string());
@@ -209,12 +210,13 @@ impl Snapshot {
         crate::fsdp::loading_whole(|| learner.load_model(model)).map_err(blocks)?;
         // The blocks' parameters' state becomes this rank's shards' (the loaded blocks carry
         // the record's parameter ids).
-        let optim = crate::fsdp::shard_state(&learner.model(), &self.optim).map_err(blocks)?;
+        let optim = crate::fsdp::shard_state(&learner.model(), self.optim).map_err(blocks)?;
         let optim = match keep(&learner.model()) {
-            Some(ids) => optimizer_records::keep(&optim, &ids)?,
+            Some(ids) => optimizer_records::keep(optim, &ids)?,
             None => optim,
         };
-        let optim = OptimizerRecord::from_bytes(bytes(&optim)).map_err(record("optimizer"))?;
+        let optim = OptimizerRecord::from_bytes(Bytes::from_bytes_vec(optim))
+            .map_err(record("optimizer"))?;
         learner.load_optim(optim);
         learner.load_scheduler(scheduler);
         Ok(())
@@ -377,7 +379,7 @@ pub(crate) fn load(group: &ProcessGroup, config: &CheckpointConfig) -> Result<Op
         buffer.resize(len, 0);
         group.broadcast(buffer, 0).wait()?
     };
-    Snapshot::decode(&raw)
+    Snapshot::decode(raw)
         .map(Some)
         .map_err(|e| fail(format!("{}: {e}", config.path().display())))
 }
@@ -400,21 +402,51 @@ mod tests {
             scheduler: vec![9; 100],
         };
         let raw = s.encode();
-        let back = Snapshot::decode(&raw).unwrap();
+        let back = Snapshot::decode(raw.clone()).unwrap();
         assert_eq!(back.position, s.position);
         assert_eq!(
             (back.model, back.optim, back.scheduler),
             (s.model, s.optim, s.scheduler)
         );
         for cut in [0, 8, raw.len() / 2, raw.len() - 1] {
-            assert!(Snapshot::decode(&raw[..cut]).is_err(), "cut at {cut}");
+            assert!(
+                Snapshot::decode(raw[..cut].to_vec()).is_err(),
+                "cut at {cut}"
+            );
         }
         let mut flipped = raw.clone();
         flipped[30] ^= 1;
         assert!(matches!(
-            Snapshot::decode(&flipped),
+            Snapshot::decode(flipped.clone()),
             Err(SnapshotError::Damaged)
         ));
+    }
+
+    /// Whichever record is the largest (it keeps the file's buffer), every record comes back
+    /// as it was written, empty ones included.
+    #[test]
+    fn each_record_decodes_whichever_is_the_largest() {
+        let record = |n: usize, seed: u8| (0..n).map(|i| (i as u8).wrapping_mul(seed)).collect();
+        for sizes in [
+            [1000, 3, 0],
+            [3, 1000, 7],
+            [0, 5, 1000],
+            [10, 10, 10],
+            [0, 0, 0],
+        ] {
+            let s = Snapshot {
+                position: Position::default(),
+                model: record(sizes[0], 3),
+                optim: record(sizes[1], 5),
+                scheduler: record(sizes[2], 7),
+            };
+            let back = Snapshot::decode(s.encode()).unwrap();
+            assert_eq!(
+                (back.model, back.optim, back.scheduler),
+                (s.model, s.optim, s.scheduler),
+                "sizes {sizes:?}"
+            );
+        }
     }
 
     /// A model record of 4 GiB and 5 bytes is written and read back whole (about 9 GiB of
@@ -435,7 +467,7 @@ mod tests {
             scheduler: vec![9; 2],
         };
         let raw = s.encode();
-        let back = Snapshot::decode(&raw).unwrap();
+        let back = Snapshot::decode(raw).unwrap();
         assert_eq!(back.position, s.position);
         assert_eq!(back.model.len(), n);
         assert_eq!((back.optim, back.scheduler), (s.optim, s.scheduler));

@@ -18,6 +18,7 @@
 //! could not be told: it was written with a wrong length, as success, and could not be read.
 
 use std::io::{self, Read, Seek, SeekFrom, Write};
+use std::ops::Range;
 
 use super::{Position, Snapshot, SnapshotError};
 use crate::wire::{DecodeError, Reader, Writer};
@@ -174,38 +175,24 @@ impl Snapshot {
     }
 
     /// Decodes a whole file of version 1 or 2, checking its size (version 2) and checksum.
-    pub(crate) fn decode(raw: &[u8]) -> Result<Self, SnapshotError> {
-        let len = raw.len() as u64;
-        let version = version_of(raw, len)?;
-        let header = match version {
-            VERSION => Some(Header::checked(raw, len)?),
-            _ => None,
-        };
-        let (body, sum) = raw.split_at(raw.len() - TRAILER_LEN);
-        if Reader::new(sum).u64()? != checksum(body) {
-            return Err(SnapshotError::Damaged);
-        }
-        let (position, mut r, lengths) = match (version, header) {
-            (_, Some(h)) => (
-                h.position,
-                Reader::new(&body[HEADER_LEN..]),
-                Some(h.lengths),
-            ),
-            (VERSION_1, None) => {
-                let mut r = Reader::new(&body[12..]);
-                (position(&mut r)?, r, None)
-            }
-            (v, None) => return Err(SnapshotError::Version(v)),
-        };
-        let mut record = |i: usize| -> Result<Vec<u8>, SnapshotError> {
-            let n = match lengths {
-                Some(lengths) => lengths[i],
-                None => r.u32()?.into(),
-            };
-            Ok(r.fixed(n)?.to_vec())
-        };
-        let (model, optim, scheduler) = (record(0)?, record(1)?, record(2)?);
-        r.finish()?;
+    /// The largest record keeps the file's buffer (moved to its front, not copied) and the
+    /// others are copied out of it: the file is never held twice.
+    pub(crate) fn decode(raw: Vec<u8>) -> Result<Self, SnapshotError> {
+        let (position, ranges) = records_in(&raw)?;
+        let largest = (0..ranges.len())
+            .max_by_key(|&i| ranges[i].len())
+            .unwrap_or(0);
+        let mut records = [0, 1, 2].map(|i| match i == largest {
+            true => Vec::new(),
+            false => raw[ranges[i].clone()].to_vec(),
+        });
+        let kept = ranges[largest].clone();
+        let mut raw = raw;
+        raw.truncate(kept.end);
+        raw.drain(..kept.start);
+        raw.shrink_to_fit();
+        records[largest] = raw;
+        let [model, optim, scheduler] = records;
         Ok(Snapshot {
             position,
             model,
@@ -213,6 +200,46 @@ impl Snapshot {
             scheduler,
         })
     }
+}
+
+/// The position a whole file of version 1 or 2 holds and where in it its three records are,
+/// checking its size (version 2) and checksum.
+fn records_in(raw: &[u8]) -> Result<(Position, [Range<usize>; 3]), SnapshotError> {
+    let len = raw.len() as u64;
+    let version = version_of(raw, len)?;
+    let header = match version {
+        VERSION => Some(Header::checked(raw, len)?),
+        _ => None,
+    };
+    let (body, sum) = raw.split_at(raw.len() - TRAILER_LEN);
+    if Reader::new(sum).u64()? != checksum(body) {
+        return Err(SnapshotError::Damaged);
+    }
+    let (position, mut r, lengths) = match (version, header) {
+        (_, Some(h)) => (
+            h.position,
+            Reader::new(&body[HEADER_LEN..]),
+            Some(h.lengths),
+        ),
+        (VERSION_1, None) => {
+            let mut r = Reader::new(&body[12..]);
+            (position(&mut r)?, r, None)
+        }
+        (v, None) => return Err(SnapshotError::Version(v)),
+    };
+    // Every reader above ends where the body does.
+    let mut record = |i: usize| -> Result<Range<usize>, SnapshotError> {
+        let n = match lengths {
+            Some(lengths) => lengths[i],
+            None => r.u32()?.into(),
+        };
+        let start = body.len() - r.left();
+        let piece = r.fixed(n)?;
+        Ok(start..start + piece.len())
+    };
+    let ranges = [record(0)?, record(1)?, record(2)?];
+    r.finish()?;
+    Ok((position, ranges))
 }
 
 /// The position stored in a checkpoint file of `len` bytes, checking the file is whole and
@@ -393,13 +420,13 @@ mod tests {
         let raw = snapshot().encode();
         assert_eq!(raw.len(), HEADER_LEN + 103 + TRAILER_LEN);
         assert_eq!(inspect_bytes(&raw).unwrap(), AT);
-        let back = Snapshot::decode(&raw).unwrap();
+        let back = Snapshot::decode(raw.clone()).unwrap();
         assert_eq!((back.model, back.scheduler), (vec![1, 2, 3], vec![9; 100]));
 
         let (cut, n) = (&raw[..raw.len() - 1], raw.len() as u64);
         for e in [
             inspect_bytes(cut),
-            Snapshot::decode(cut).map(|s| s.position),
+            Snapshot::decode(cut.to_vec()).map(|s| s.position),
         ] {
             let e = e.unwrap_err();
             let size = matches!(e, SnapshotError::Size { described, holds } if (described, holds) == (n, n - 1));
@@ -424,7 +451,7 @@ mod tests {
     fn version_1_files_are_still_read() {
         let s = snapshot();
         let raw = version_1(&s);
-        let back = Snapshot::decode(&raw).unwrap();
+        let back = Snapshot::decode(raw.clone()).unwrap();
         assert_eq!(back.position, AT);
         assert_eq!(
             (back.model, back.optim, back.scheduler),
@@ -432,7 +459,10 @@ mod tests {
         );
         assert_eq!(inspect_bytes(&raw).unwrap(), AT);
         for cut in [0, 8, 20, raw.len() / 2, raw.len() - 1] {
-            assert!(Snapshot::decode(&raw[..cut]).is_err(), "cut at {cut}");
+            assert!(
+                Snapshot::decode(raw[..cut].to_vec()).is_err(),
+                "cut at {cut}"
+            );
             assert!(inspect_bytes(&raw[..cut]).is_err(), "cut at {cut}");
         }
         // A model length one too long, checksum resealed: the records run into the trailer.
@@ -442,11 +472,11 @@ mod tests {
             matches!(e, SnapshotError::Decode(DecodeError::Truncated { .. })),
             "{e}"
         );
-        assert!(Snapshot::decode(&long).is_err());
+        assert!(Snapshot::decode(long.clone()).is_err());
         let other = resealed(&raw, |body| body[8] = 3);
         for e in [
             inspect_bytes(&other).unwrap_err(),
-            Snapshot::decode(&other).err().unwrap(),
+            Snapshot::decode(other.clone()).err().unwrap(),
         ] {
             assert!(matches!(e, SnapshotError::Version(3)), "{e}");
         }

@@ -11,9 +11,9 @@ use burn_pack::Tensor;
 use crate::records::{Parts, key_id};
 use crate::train::learner::checkpoint::SnapshotError;
 
-/// The parts of `record`.
+/// The parts of a copy of `record`.
 fn read(record: &[u8]) -> std::result::Result<Parts, SnapshotError> {
-    crate::records::read(record).map_err(SnapshotError::Encode)
+    crate::records::read(record.to_vec()).map_err(SnapshotError::Encode)
 }
 
 /// The record of `parts`.
@@ -89,10 +89,10 @@ fn rekey(mut parts: Parts, map: &HashMap<u64, u64>) -> Parts {
 
 /// `record` with only the entries of the parameters `ids`.
 pub(crate) fn keep(
-    record: &[u8],
+    record: Vec<u8>,
     ids: &HashSet<u64>,
 ) -> std::result::Result<Vec<u8>, SnapshotError> {
-    let mut parts = read(record)?;
+    let mut parts = crate::records::read(record).map_err(SnapshotError::Encode)?;
     let mine = |id: Option<u64>| id.is_some_and(|id| ids.contains(&id));
     parts.tensors.retain(|t| mine(t.param_id));
     parts.scalars.retain(|(key, _)| mine(key_id(key)));
@@ -157,20 +157,23 @@ mod tests {
         let keyed = |record| Keyed { record, ids: &ids };
         let merged = merge(&[keyed(&only_weight), keyed(&only_bias)], &ids).unwrap();
         assert_eq!(state_bytes(&merged).unwrap(), state_bytes(&both).unwrap());
-        let kept = keep(&merged, &HashSet::from([weight])).unwrap();
+        let kept = keep(merged.clone(), &HashSet::from([weight])).unwrap();
         assert_eq!(state_bytes(&kept).unwrap(), 2 * 6 * 4);
         assert_eq!(
             read(&kept).unwrap().scalars,
             read(&only_weight).unwrap().scalars
         );
-        assert!(keep(&[1, 2, 3], &HashSet::new()).is_err(), "not a record");
+        assert!(
+            keep(vec![1, 2, 3], &HashSet::new()).is_err(),
+            "not a record"
+        );
         // Another rank's record, keyed by its own ids (7 and 8 for the same parameters), merges
         // into one keyed by rank 0's, matched by visit order.
         let map = HashMap::from([(weight, 7), (bias, 8)]);
         let foreign = write(rekey(read(&only_bias).unwrap(), &map)).unwrap();
         let bias_only = HashSet::from([bias]);
         assert_eq!(
-            state_bytes(&keep(&foreign, &bias_only).unwrap()).unwrap(),
+            state_bytes(&keep(foreign.clone(), &bias_only).unwrap()).unwrap(),
             0
         );
         let theirs = [7, 8];
@@ -179,7 +182,7 @@ mod tests {
             ids: &theirs,
         };
         let merged = merge(&[keyed(&only_weight), foreign], &ids).unwrap();
-        let kept = keep(&merged, &bias_only).unwrap();
+        let kept = keep(merged, &bias_only).unwrap();
         assert_eq!(state_bytes(&kept).unwrap(), 2 * 2 * 4);
         let (kept, mine) = (read(&kept).unwrap(), read(&only_bias).unwrap());
         let names = |p: &Parts| p.tensors.iter().map(|t| t.name.clone()).collect::<Vec<_>>();

@@ -160,6 +160,7 @@ impl DdpStrategy {
         let Some(snapshot) = checkpoint::load(&self.group, config)? else {
             return Ok(None);
         };
+        let p = snapshot.position;
         snapshot
             .restore(learner, |model| {
                 // The shards' entries are this rank's own, whatever the optimizer owns.
@@ -171,7 +172,6 @@ impl DdpStrategy {
                 rank: self.group.rank(),
                 reason: e.to_string(),
             })?;
-        let p = snapshot.position;
         if self.is_main() {
             log::info!(
                 "resuming from {}: epoch {}, after {} batches ({} samples) written by {} ranks",
