@@ -75,7 +75,8 @@ pub struct BenchTrain {
     /// 256) across 2 hosts of network namespaces (root) on a link of --link-rate [default:
     /// 1gbit], with its gradients reduced after backward (DdpLearner's reducer) and with each
     /// block's all-reduce started inside backward (`--fsdp none`): the communication each step
-    /// waits for
+    /// waits for. Each rank is bound to a core of its own (`taskset`), as each rank would have
+    /// a device of its own
     #[arg(long, conflicts_with_all = ["hosts", "model", "samples", "shard", "fsdp"])]
     overlap: bool,
     /// With --fsdp: width of the transformer

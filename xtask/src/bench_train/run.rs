@@ -44,6 +44,10 @@ pub(super) struct TrainRun {
     pub(super) transport: &'static str,
     /// On every host of the cluster instead of on this host.
     pub(super) across_hosts: bool,
+    /// Each rank bound to one core of its own (core `RANK` modulo the cores), as each rank
+    /// would have a device of its own: ranks sharing every core slow each other down at
+    /// random, and the one behind makes the others wait at every collective.
+    pub(super) pinned: bool,
 }
 
 impl TrainRun {
@@ -55,6 +59,7 @@ impl TrainRun {
             args: Vec::new(),
             transport: "tcp",
             across_hosts: false,
+            pinned: false,
         }
     }
     /// burn's own Learner, one process (`--plain`).
@@ -73,6 +78,11 @@ impl TrainRun {
     /// On every host of the cluster, `nproc` ranks each.
     pub(super) fn across_hosts(mut self) -> Self {
         self.across_hosts = true;
+        self
+    }
+    /// Each rank bound to a core of its own ([`TrainRun::pinned`]).
+    pub(super) fn pinned(mut self) -> Self {
+        self.pinned = true;
         self
     }
 }

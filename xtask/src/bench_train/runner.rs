@@ -111,7 +111,11 @@ impl<'a> Runner<'a> {
         let args = self.args(r, &report);
         match (&self.cluster, r.across_hosts) {
             (Some((cluster, launcher)), true) => {
-                let mut program = vec![self.exe.clone().into_os_string()];
+                let mut program: Vec<std::ffi::OsString> = match r.pinned {
+                    true => ["sh", "-c", PIN, "sh"].map(Into::into).to_vec(),
+                    false => Vec::new(),
+                };
+                program.push(self.exe.clone().into_os_string());
                 program.extend(args.into_iter().map(Into::into));
                 let env = vec![("BURN_DDP_TRANSPORT".into(), r.transport.into())];
                 let job = crate::cluster::job(launcher, r.nproc, program, env)?;
@@ -134,6 +138,10 @@ impl<'a> Runner<'a> {
         self.model
     }
 }
+
+/// A program run through `sh -c PIN sh PROGRAM ARGS..` runs bound to core `RANK` modulo the
+/// cores ([`TrainRun::pinned`]).
+const PIN: &str = r#"exec taskset -c "$((RANK % $(nproc --all)))" "$@""#;
 
 /// The `--model` that runs the `charlm` program's decoder-only transformer.
 pub(super) const TRANSFORMER: &str = "transformer";

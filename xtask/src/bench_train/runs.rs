@@ -170,6 +170,7 @@ pub(super) fn overlap_runs(link: &str) -> Vec<TrainRun> {
         (TrainRun::here(label, 1).args(OVERLAP_LM))
             .transport("auto")
             .across_hosts()
+            .pinned()
     };
     vec![
         run(format!("{across}, reduced after backward")),
