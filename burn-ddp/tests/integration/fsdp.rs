@@ -266,6 +266,48 @@ fn full_shard_under_gradient_checkpointing_trains_as_one_process() {
     }
 }
 
+/// Every strategy at world 2 on `device` (an autodiff device; `FullShard` on it with gradient
+/// checkpointing, gathering each block again in backward), AdamW: each rank's model within
+/// 1e-5 (relative) of one process trained on the whole batch on the host. `crate::wgpu` runs
+/// it on burn's wgpu backend, so that the shards, gathers and reductions go through device
+/// buffers.
+#[cfg_attr(not(feature = "wgpu"), allow(dead_code))]
+pub(crate) fn every_strategy_trains_as_one_process_on(device: &Device) {
+    let init = initial_record();
+    let want = reference(Optim::AdamW, &init);
+    for strategy in [
+        ShardingStrategy::FullShard,
+        ShardingStrategy::ShardGradOp,
+        ShardingStrategy::NoShard,
+    ] {
+        let device = match strategy {
+            ShardingStrategy::FullShard => device.clone().gradient_checkpointing(),
+            _ => device.clone(),
+        };
+        let got = run_world(2, options(60), |g| {
+            let before = fsdp::stats();
+            let config = FsdpConfig::new().with_strategy(strategy);
+            let state = sharded_on(g, Optim::AdamW, config, &init, device.clone());
+            (state, (fsdp::stats() - before).gathers)
+        });
+        for (rank, (state, gathers)) in got.iter().enumerate() {
+            let errors = state
+                .iter()
+                .zip(&want)
+                .map(|(a, b)| max_relative_error(a, b));
+            let err = errors.fold(0.0, f64::max);
+            eprintln!("{strategy:?}: rank {rank}: largest relative error {err:e}");
+            assert!(err < 1e-5, "{strategy:?}: rank {rank} differs by {err}");
+            // `full`: each step gathers the 2 blocks in forward and again in backward, then
+            // the final gather of the state.
+            if strategy == ShardingStrategy::FullShard {
+                let want = STEPS as u64 * 2 * 2 + 2;
+                assert_eq!(*gathers, want, "rank {rank}'s gathers");
+            }
+        }
+    }
+}
+
 /// Blocks whose gradients are reduced in bf16 (`with_reduce_dtype`, gradient compression)
 /// train close to one process, at bf16's precision, and not as exactly as in f32; ranks that
 /// reduce in different types are refused, naming the block.

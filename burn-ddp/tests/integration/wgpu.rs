@@ -146,6 +146,11 @@ fn wgpu_world_2_matches_one_process_with_the_global_batch() {
 }
 
 #[test]
+fn wgpu_fully_sharded_blocks_train_as_one_process_with_every_strategy() {
+    on_wgpu(crate::fsdp::every_strategy_trains_as_one_process_on);
+}
+
+#[test]
 fn wgpu_ranks_hold_identical_parameters_after_every_step() {
     on_wgpu(lockstep::identical_after_every_step);
 }

@@ -1,8 +1,9 @@
 //! The transformer trained data-parallel (ranks as threads over loopback) equals one process
 //! with the global batch: world 2 with batch b against world 1 with batch 2b, dropout off. And
 //! its blocks wrapped in burn-ddp's `Fsdp` (`--fsdp`): the flag, runs of the program alone with
-//! each strategy, the same training as the unwrapped model alone, at world 2 and at world 4
-//! over 3 epochs, and a wrapped model gathered back into the one it was made from.
+//! each strategy, the same training as the unwrapped model alone at worlds 2 and 4 over 3
+//! epochs with AdamW and with SGD with momentum, and a wrapped model gathered back into the one
+//! it was made from.
 
 use std::sync::Arc;
 
@@ -409,28 +410,37 @@ fn against_unwrapped_with(
 }
 
 #[test]
-fn world_2_with_grad_op_or_none_ends_where_the_unwrapped_model_does() {
-    let strategies = [ShardingStrategy::ShardGradOp, ShardingStrategy::NoShard];
-    let gathers = against_unwrapped(2, 1, "w2", &strategies);
+fn world_2_with_each_strategy_ends_where_the_unwrapped_model_does_after_3_epochs() {
+    let strategies = [
+        ShardingStrategy::FullShard,
+        ShardingStrategy::ShardGradOp,
+        ShardingStrategy::NoShard,
+    ];
+    let gathers = against_unwrapped(2, 3, "w2", &strategies);
     // Validation gathers too (the same batches under every strategy): grad-op's training
-    // gathers are 2 blocks a step, none never gathers.
-    assert!(gathers[0] >= STEPS_PER_EPOCH * 2, "grad-op: {gathers:?}");
-    assert_eq!(gathers[1], 0, "fsdp none gathered");
+    // gathers are 2 blocks a step. `full` trains under gradient checkpointing: burn drops each
+    // gathered block after the forward pass, and each step's backward gathers its 2 blocks
+    // again. none never gathers.
+    assert!(
+        gathers[1] >= 3 * STEPS_PER_EPOCH * 2,
+        "grad-op: {gathers:?}"
+    );
+    assert_eq!(
+        gathers[0] - gathers[1],
+        3 * STEPS_PER_EPOCH * 2,
+        "gathers: {gathers:?}"
+    );
+    assert_eq!(gathers[2], 0, "fsdp none gathered");
 }
 
 #[test]
-fn world_2_full_shard_gathers_each_block_again_in_backward_and_ends_where_unwrapped_does() {
-    let strategies = [ShardingStrategy::FullShard, ShardingStrategy::ShardGradOp];
-    let gathers = against_unwrapped(2, 1, "w2-full", &strategies);
-    // `full` trains under gradient checkpointing: burn drops each gathered block after the
-    // forward pass, and each step's backward gathers its 2 blocks again.
-    assert_eq!(
-        gathers[0] - gathers[1],
-        STEPS_PER_EPOCH * 2,
-        "gathers: full {}, grad-op {}",
-        gathers[0],
-        gathers[1]
-    );
+fn world_2_with_sgd_momentum_and_each_strategy_ends_where_the_unwrapped_model_does() {
+    let strategies = [
+        ShardingStrategy::FullShard,
+        ShardingStrategy::ShardGradOp,
+        ShardingStrategy::NoShard,
+    ];
+    against_unwrapped_with(2, 3, "w2-sgd", &strategies, LmOptimizer::SgdMomentum);
 }
 
 #[test]
