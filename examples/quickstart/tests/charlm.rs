@@ -222,11 +222,7 @@ fn world_1_with_each_fsdp_strategy_ends_where_the_unwrapped_model_does() {
         relative_error(&reference, &initial) > 1e-3,
         "training did not move the parameters"
     );
-    for strategy in [
-        ShardingStrategy::FullShard,
-        ShardingStrategy::ShardGradOp,
-        ShardingStrategy::NoShard,
-    ] {
+    for strategy in EVERY_STRATEGY {
         let cfg = two_blocks(strategy.name(), Some(strategy));
         let trained = world(1, &cfg, &model).remove(0);
         assert_eq!(
@@ -252,11 +248,7 @@ fn a_wrapped_model_gathers_back_into_the_model_it_was_made_from_on_every_rank() 
     device.seed(cfg.seed);
     let model = CharLm::init(&device, &cfg).materialize();
     let original = burn_ddp::train::parameters_to_vector(&model);
-    for strategy in [
-        ShardingStrategy::FullShard,
-        ShardingStrategy::ShardGradOp,
-        ShardingStrategy::NoShard,
-    ] {
+    for strategy in EVERY_STRATEGY {
         let server = StoreServer::bind("127.0.0.1:0").unwrap();
         let port = server.local_addr().port();
         std::thread::scope(|s| {
@@ -337,6 +329,13 @@ fn ranks_of(n: usize, epochs: usize, name: &str, fsdp: Option<ShardingStrategy>)
     }
 }
 
+/// Every sharding strategy, in the order the tests train them.
+const EVERY_STRATEGY: [ShardingStrategy; 3] = [
+    ShardingStrategy::FullShard,
+    ShardingStrategy::ShardGradOp,
+    ShardingStrategy::NoShard,
+];
+
 /// Optimizer steps of an epoch of [`ranks_of`]: 48 sequences, 8 a step.
 const STEPS_PER_EPOCH: u64 = 6;
 
@@ -411,12 +410,7 @@ fn against_unwrapped_with(
 
 #[test]
 fn world_2_with_each_strategy_ends_where_the_unwrapped_model_does_after_3_epochs() {
-    let strategies = [
-        ShardingStrategy::FullShard,
-        ShardingStrategy::ShardGradOp,
-        ShardingStrategy::NoShard,
-    ];
-    let gathers = against_unwrapped(2, 3, "w2", &strategies);
+    let gathers = against_unwrapped(2, 3, "w2", &EVERY_STRATEGY);
     // Validation gathers too (the same batches under every strategy): grad-op's training
     // gathers are 2 blocks a step. `full` trains under gradient checkpointing: burn drops each
     // gathered block after the forward pass, and each step's backward gathers its 2 blocks
@@ -435,22 +429,12 @@ fn world_2_with_each_strategy_ends_where_the_unwrapped_model_does_after_3_epochs
 
 #[test]
 fn world_2_with_sgd_momentum_and_each_strategy_ends_where_the_unwrapped_model_does() {
-    let strategies = [
-        ShardingStrategy::FullShard,
-        ShardingStrategy::ShardGradOp,
-        ShardingStrategy::NoShard,
-    ];
-    against_unwrapped_with(2, 3, "w2-sgd", &strategies, LmOptimizer::SgdMomentum);
+    against_unwrapped_with(2, 3, "w2-sgd", &EVERY_STRATEGY, LmOptimizer::SgdMomentum);
 }
 
 #[test]
 fn world_4_with_each_strategy_ends_where_the_unwrapped_model_does_after_3_epochs() {
-    let strategies = [
-        ShardingStrategy::FullShard,
-        ShardingStrategy::ShardGradOp,
-        ShardingStrategy::NoShard,
-    ];
-    let gathers = against_unwrapped(4, 3, "w4", &strategies);
+    let gathers = against_unwrapped(4, 3, "w4", &EVERY_STRATEGY);
     assert_eq!(
         gathers[0] - gathers[1],
         3 * STEPS_PER_EPOCH * 2,
@@ -461,10 +445,5 @@ fn world_4_with_each_strategy_ends_where_the_unwrapped_model_does_after_3_epochs
 
 #[test]
 fn world_4_with_sgd_momentum_and_each_strategy_ends_where_the_unwrapped_model_does() {
-    let strategies = [
-        ShardingStrategy::FullShard,
-        ShardingStrategy::ShardGradOp,
-        ShardingStrategy::NoShard,
-    ];
-    against_unwrapped_with(4, 3, "w4-sgd", &strategies, LmOptimizer::SgdMomentum);
+    against_unwrapped_with(4, 3, "w4-sgd", &EVERY_STRATEGY, LmOptimizer::SgdMomentum);
 }
